@@ -1,0 +1,56 @@
+"""The attention backend interface: the only thing a kernel author implements.
+
+A backend owns two operations over one layer's paged cache, whose K and V
+halves are `[num_blocks, block_size, num_kv_heads, head_dim]` views into the
+engine's single preallocated KV tensor:
+
+* `write_kv` stores this step's new K/V rows at their `slot_mapping` slots;
+* `forward` runs causal attention of the step's queries over each sequence's
+  whole context, read through its block table.
+
+The scheduler never sees a backend; the model runner picks one at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from nanoinfer.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    ) -> None: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """`torch` (reference, any device) or `triton` (GPU, or CPU under TRITON_INTERPRET=1)."""
+    if name == "torch":
+        from nanoinfer.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from nanoinfer.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

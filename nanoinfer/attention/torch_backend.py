@@ -1,0 +1,49 @@
+"""Reference attention in plain PyTorch: gathers each sequence's context from
+the paged cache and calls `scaled_dot_product_attention`. Correct on any device
+and shape; the Triton backend is checked against it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoinfer.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        if not bool(valid.all()):
+            key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(query)
+        block_size = k_cache.shape[1]
+        num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+        starts = metadata.query_start_loc_cpu
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            q = query[starts[i] : starts[i + 1]]  # [q_len, H, D]
+            q_len = q.shape[0]
+            if q_len == 0:
+                continue
+            num_blocks = (seq_len + block_size - 1) // block_size
+            blocks = metadata.block_tables[i, :num_blocks].long()
+            k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
+            v = v_cache[blocks].flatten(0, 1)[:seq_len]
+            # Query j sits at position seq_len - q_len + j and sees keys up to it.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1).to(q.dtype),
+                v.transpose(0, 1).to(q.dtype),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+        return out

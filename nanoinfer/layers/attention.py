@@ -1,0 +1,43 @@
+"""The attention layer models call. It owns no weights: it writes this step's
+K/V into its slice of the paged cache and runs the backend over it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoinfer.attention.backend import AttentionBackend
+from nanoinfer.attention.metadata import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the KV cache exists (`bind_kv_cache`).
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads*head_dim], k/v: [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+        if self.backend is None or self.k_cache is None:
+            raise RuntimeError("Attention layer has no KV cache bound; call ModelRunner.bind_kv_cache first")
+        metadata = get_forward_context()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, metadata, self.scale)
+        return out.reshape(-1, self.num_heads * self.head_dim)
+
+
+def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend) -> int:
+    """Give each Attention layer, in model order, its K and V views of the one KV tensor
+    `[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`. Returns the layer count."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if len(layers) != kv_cache.shape[1]:
+        raise ValueError(f"KV cache has {kv_cache.shape[1]} layers, model has {len(layers)} attention layers")
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, i], kv_cache[1, i], backend
+    return len(layers)
