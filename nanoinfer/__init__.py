@@ -1,3 +1,9 @@
 """nanoinfer: a small, fast LLM inference and serving engine."""
 
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.llm import LLM
+from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,144 @@
+"""`nanoinfer generate | chat | serve`: every EngineConfig field is a flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+
+from nanoinfer.config import EngineConfig
+
+SAMPLING_FLAGS = {  # flag -> (SamplingParams field, type, default, help)
+    "--max-tokens": ("max_tokens", int, 256, "most tokens to generate"),
+    "--temperature": ("temperature", float, 0.7, "0 = greedy"),
+    "--top-p": ("top_p", float, 1.0, "nucleus sampling mass"),
+    "--top-k": ("top_k", int, 0, "sample from the k most likely tokens (0 = off)"),
+    "--min-p": ("min_p", float, 0.0, "drop tokens below min_p x the top probability"),
+    "--repetition-penalty": ("repetition_penalty", float, 1.0, "penalise tokens already seen"),
+    "--sampling-seed": ("seed", int, None, "seed of the request's sampling (reproducible output)"),
+    "--stop": ("stop", str, None, "stop when this string is generated (repeatable)"),
+    "--ignore-eos": ("ignore_eos", bool, False, "keep generating past the end-of-sequence token"),
+}
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(EngineConfig)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group("engine arguments")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag, kind = "--" + f.name.replace("_", "-"), _field_type(f)
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in skip}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling arguments")
+    for flag, (_, kind, default, help_text) in SAMPLING_FLAGS.items():
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help=help_text)
+        elif flag == "--stop":
+            group.add_argument(flag, action="append", help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+
+
+def sampling_params(args: argparse.Namespace):
+    from nanoinfer.sampling_params import SamplingParams
+
+    return SamplingParams(**{name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, *_) in SAMPLING_FLAGS.items()})
+
+
+def _build_llm(args: argparse.Namespace):
+    from nanoinfer import LLM
+
+    kwargs = engine_kwargs(args)
+    return LLM(**kwargs)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = sampling_params(args)
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    for text in llm.stream(prompt, params):
+        print(text, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _build_llm(args)
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for text in llm.stream(llm.apply_chat_template(messages), params):
+            print(text, end="", flush=True)
+            reply.append(text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoinfer", description="A small, fast LLM inference and serving engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streaming to the terminal")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat through the model's chat template")
+    chat.add_argument("--system", default=None, help="a system message")
+    add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    try:
+        from nanoinfer.server.cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        print(f"nanoinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Engine arguments: one dataclass, validated once, shared by the `LLM` API,
+the CLI (each field becomes a `--flag`) and the server."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = _arg(None, "model folder (config.json + safetensors), a .gguf file, or None for the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = _arg(None, "tokenizer folder or .gguf file (default: the model's)")
+    load_format: str = _arg("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
+    dtype: str = _arg("auto", "weights and activations dtype (auto: float32 on CPU, the model's bf16/fp16 on GPU)", ("auto", "float32", "float16", "bfloat16"))
+    device: str = _arg("auto", "where to run (auto: cuda if available)", ("auto", "cpu", "cuda"))
+    seed: int = _arg(0, "seed for dummy weights and unseeded sampling")
+    block_size: int = _arg(16, "tokens per KV-cache block")
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    max_num_batched_tokens: int = _arg(8192, "token budget of one step (prefill chunks + decodes)")
+    max_num_seqs: int = _arg(256, "most requests in one step")
+    enable_prefix_caching: bool = _arg(True, "share KV blocks of equal prompt prefixes")
+    kv_cache_memory_bytes: int | None = _arg(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: sized by gpu_memory_utilization)")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
+    num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the byte budgets; for tests)")
+    enforce_eager: bool = _arg(False, "disable CUDA graphs")
+    attention_backend: str = _arg("auto", "attention implementation (auto: triton on GPU, torch on CPU)", ("auto", "torch", "triton"))
+    scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))
+    tensor_parallel_size: int = _arg(1, "number of tensor-parallel ranks")
+    max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {list(choices)}")
+        positive = ["block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"]
+        positive += [n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_waiting") if getattr(self, n) is not None]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Like the constructor, but an unknown argument is an error that lists the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid arguments: {sorted(names)}")
+        return cls(**kwargs)

@@ -1,0 +1,91 @@
+"""The engine core: scheduler + model runner, one `step()` at a time.
+
+It speaks token ids only; tokenization, detokenization and stop strings live
+in the front end (`LLMEngine`), so the core can run in its own process."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.loader.resolve import ModelSource, resolve_model
+from nanoinfer.outputs import EngineCoreOutput
+from nanoinfer.request import Request, RequestStatus
+from nanoinfer.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("nanoinfer")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device_and_dtype(config: EngineConfig, hf_config) -> tuple[torch.device, torch.dtype]:
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but no CUDA GPU is available")
+    device = torch.device("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
+    if config.dtype != "auto":
+        return device, _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return device, torch.float32
+    model_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return device, model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        from nanoinfer.model_runner.model_runner import ModelRunner
+
+        self.config = config
+        self.source = source or resolve_model(config)
+        hf_config = self.source.hf_config
+        self.max_model_len = self.source.max_model_len
+        self.device, self.dtype = resolve_device_and_dtype(config, hf_config)
+        self.runner = ModelRunner(config, hf_config, self.source.model_path, self.device, self.dtype,
+                                  self.source.eos_token_ids)
+        self.num_blocks = self.runner.num_kv_blocks_for_budget()
+        self.runner.initialize_kv_cache(self.num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)", self.num_blocks,
+                    config.block_size, self.num_blocks * config.block_size,
+                    self.num_blocks * self.runner.kv_block_bytes / 2**30, self.dtype, self.device)
+        self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len)
+        self.debug_checks = os.environ.get("NANOINFER_DEBUG_CHECKS", "0") == "1"
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        """Longest a request may get: the model's context and the whole KV cache bound it."""
+        return min(self.max_model_len, self.num_blocks * self.config.block_size)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(runner_output)
+        if self.debug_checks:
+            self.scheduler.check_invariants()
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        kv = self.scheduler.kv_cache_manager
+        return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
+                              kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions)

@@ -1,0 +1,98 @@
+"""Incremental detokenization with stop strings, one instance per request.
+
+Decoding token by token is wrong for byte-level and byte-fallback tokenizers:
+one character (an emoji, a CJK glyph) can span several tokens, and a token
+decoded alone can lose the leading space it has in context. So each step
+decodes a short window twice, the already-emitted part (`prefix_offset ..
+read_offset`) and the window with the new tokens, and emits the difference,
+but only once it no longer ends in U+FFFD (an incomplete character).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nanoinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# Prompt tokens decoded ahead of the first output token, so it gets the same
+# text (spaces, merged bytes) as it would in the full sequence.
+_PROMPT_CONTEXT_TOKENS = 5
+_INCOMPLETE_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.stop = params.stop
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.skip_special_tokens = params.skip_special_tokens
+        self.min_tokens = params.min_tokens
+        # A stream holds back this many characters: they may be the start of a stop string.
+        self.stop_buffer_length = (
+            max(len(s) for s in self.stop) - 1 if self.stop and not self.include_stop_str_in_output else 0
+        )
+        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.num_output_tokens = 0
+        self.output_text = ""
+        self._streamed_offset = 0
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Append new tokens; return the stop string they completed, if any.
+
+        `stop_terminated`: the last token is an eos / stop token id; as in
+        vLLM its text is left out unless include_stop_str_in_output.
+        """
+        self.num_output_tokens += len(new_token_ids)
+        if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
+        checked_length = len(self.output_text)
+        # Token by token, so text completed by early tokens is not held back
+        # behind an incomplete character at the end of the batch.
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            self.output_text += self._decode_new_text()
+        # vLLM only honours stop strings once min_tokens tokens are out.
+        if not self.stop or self.num_output_tokens <= self.min_tokens:
+            return None
+        return self._truncate_at_stop(checked_length)
+
+    def _decode_new_text(self) -> str:
+        decode_kwargs = {"skip_special_tokens": self.skip_special_tokens, "clean_up_tokenization_spaces": False}
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], **decode_kwargs)
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :], **decode_kwargs)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE_CHAR):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def _truncate_at_stop(self, checked_length: int) -> str | None:
+        """Find the earliest stop string ending past `checked_length` and cut the text there."""
+        match: tuple[int, int, str] | None = None
+        for stop in self.stop:
+            # Text up to checked_length held no stop string, so a match must end after it.
+            index = self.output_text.find(stop, max(0, checked_length - len(stop) + 1))
+            if index != -1 and (match is None or (index, len(stop)) < match[:2]):
+                match = (index, len(stop), stop)
+        if match is None:
+            return None
+        index, length, stop = match
+        self.output_text = self.output_text[: index + length if self.include_stop_str_in_output else index]
+        return stop
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """Text to send now: all of it, or (delta) only what was not sent before.
+
+        Until finished, the last stop_buffer_length characters stay back, so a
+        stop string completed by a later token never reaches the client.
+        """
+        end = len(self.output_text) if finished else max(len(self.output_text) - self.stop_buffer_length, 0)
+        if not delta:
+            return self.output_text[:end]
+        start = self._streamed_offset
+        self._streamed_offset = max(start, end)
+        return self.output_text[start:end]

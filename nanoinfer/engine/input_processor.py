@@ -1,0 +1,79 @@
+"""Front-end admission: validates and tokenizes a request, fans `n > 1` out
+into child requests, and rejects what the engine could never serve — all
+before anything enters the engine core, so bad input never touches other
+requests."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from nanoinfer.request import Request
+from nanoinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineLimits:
+    """What admission checks need to know about the core."""
+
+    max_model_len: int
+    max_tokens_per_request: int  # also bounded by the whole KV cache
+    block_size: int
+    vocab_size: int
+    eos_token_ids: set[int]
+    max_num_waiting: int | None = None
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, limits: EngineLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids, or give tokenizer=PATH")
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        return token_ids
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+                cache_salt: str | None = None) -> tuple[list[int], list[Request]]:
+        """Returns the prompt's token ids and the request(s) to add to the core (n children when n > 1)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        token_ids = self.tokenize(prompt)
+        max_tokens = self._check_length(len(token_ids), params.max_tokens)
+        arrival = time.monotonic()
+        children = []
+        for i in range(params.n):
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
+                                    self.limits.block_size, max_tokens, priority, cache_salt, arrival))
+        return token_ids, children
+
+    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        limit = self.limits.max_tokens_per_request
+        why = "max_model_len" if limit == self.limits.max_model_len else "the KV cache size"
+        if max_tokens is None:
+            if prompt_len >= limit:
+                raise ValueError(f"prompt has {prompt_len} tokens; {why} allows at most {limit - 1}")
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                             f"exceeds {why} ({limit})")
+        return max_tokens

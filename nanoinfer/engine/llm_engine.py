@@ -1,0 +1,75 @@
+"""The in-process engine: front end (tokenize, validate, detokenize) around
+an `EngineCore`. `add_request` / `step` / `abort_request` is the interface the
+`LLM` API and the server build on."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.core import EngineCore
+from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
+from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.outputs import RequestOutput
+from nanoinfer.request import RequestStatus
+from nanoinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoinfer")
+
+
+def load_tokenizer(path: str | None):
+    """A transformers tokenizer from a local folder, or None (token-id prompts only)."""
+    if path is None:
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a bad folder
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        source = self.core.source
+        self.tokenizer = load_tokenizer(source.tokenizer_path)
+        eos = set(source.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.limits = EngineLimits(self.core.max_model_len, self.core.max_tokens_per_request, config.block_size,
+                                   source.hf_config.vocab_size, eos, config.max_num_waiting)
+        self.core.runner.eos_token_ids = eos
+        self.input_processor = InputProcessor(self.tokenizer, self.limits)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.output_processor.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
+        waiting = len(self.core.scheduler.waiting)
+        if self.limits.max_num_waiting is not None and waiting + len(children) > self.limits.max_num_waiting:
+            raise OverflowError(f"the waiting queue is full ({waiting} requests waiting)")
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
+                                          params, [c.request_id for c in children])
+        for child in children:
+            self.core.add_request(child)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        self.core.abort_requests(self.output_processor.child_ids(request_id))
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the requests that got new tokens (or finished)."""
+        outputs, stopped = self.output_processor.process_outputs(self.core.step())
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs

@@ -1,0 +1,115 @@
+"""Front-end output handling: incremental detokenization, stop strings and
+assembling each user request's `RequestOutput` from its child requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
+from nanoinfer.sampling_params import SamplingParams
+
+
+def logprobs_dict(lp: TokenLogprobs) -> dict[int, float]:
+    """The sampled token's logprob plus the top-n alternatives, keyed by token id."""
+    out = {lp.token_id: lp.logprob}
+    out.update(zip(lp.top_token_ids, lp.top_logprobs))
+    return out
+
+
+@dataclass
+class ChildState:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, ChildState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str]) -> None:
+        children = {}
+        for i, child_id in enumerate(child_ids):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer else None
+            children[child_id] = ChildState(i, detok, logprobs=[] if params.logprobs is not None else None)
+            self.child_to_parent[child_id] = request_id
+        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.children) if parent else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests' outputs and the child ids a stop string
+        finished (the caller must stop them in the core)."""
+        touched: dict[str, ParentState] = {}
+        stopped: list[str] = []
+        for out in outputs:
+            parent_id = self.child_to_parent.get(out.request_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            child = parent.children[out.request_id]
+            if child.finish_reason is not None:
+                continue
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            child.token_ids.extend(out.new_token_ids)
+            if child.logprobs is not None:
+                child.logprobs.extend(logprobs_dict(lp) for lp in out.new_logprobs if lp is not None)
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            if child.detokenizer is not None:
+                stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+                if stop_str is not None and child.finish_reason is None:
+                    child.finish_reason, child.stop_reason = "stop", stop_str
+                    stopped.append(out.request_id)
+            touched[parent_id] = parent
+        return [self._make_output(p) for p in touched.values()], stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished child aborted; returns the final output."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children.values():
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        return self._make_output(parent)
+
+    def _make_output(self, parent: ParentState) -> RequestOutput:
+        completions = []
+        for child in parent.children.values():
+            finished = child.finish_reason is not None
+            text = child.detokenizer.get_next_output_text(finished, delta=False) if child.detokenizer else ""
+            completions.append(CompletionOutput(child.index, text, list(child.token_ids),
+                                                list(child.logprobs) if child.logprobs is not None else None,
+                                                child.finish_reason, child.stop_reason))
+        finished = parent.finished
+        if finished:
+            del self.parents[parent.request_id]
+            for child_id in parent.children:
+                self.child_to_parent.pop(child_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
+                             parent.num_cached_tokens)

@@ -1,0 +1,357 @@
+"""Triton paged attention: one kernel family for decode, prefill over a cached
+prefix and chunked prefill, mixed in one flattened batch.
+
+Each program owns one KV head and a tile of rows; a row is (query token,
+query head of that KV head), so all query heads sharing a KV head reuse every
+K/V tile it loads (GQA packing). The program walks the sequence's context in
+BLOCK_N-token steps, gathering BLOCK_N // block_size cache blocks per step
+through the block table, with an online softmax in fp32.
+
+Decode-only batches launch one program per (sequence, KV head, split). With
+few sequences the context is cut into `num_splits` ranges whose partial
+results a second kernel merges by their log-sum-exp, so one long sequence
+still spreads over the whole GPU. Every launch parameter comes from host ints
+(shapes and `max_query_len` / `max_seq_len`), never from device tensors, so
+decode launches can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class PagedAttentionConfig:
+    """How one launch tiles the work; `choose_config` picks it from host ints."""
+
+    decode: bool  # one program per (sequence, KV head, split); needs max_query_len <= 1
+    block_q: int  # query tokens per tile
+    block_m: int  # tile rows: block_q * query heads per KV head, padded to a power of two >= 16
+    block_n: int  # context tokens per inner step (several cache blocks)
+    num_splits: int  # > 1: split the context (decode only) and merge in a second kernel
+    num_warps: int
+    num_stages: int
+
+
+# Decode splits the context only while sequences x KV heads leave SMs idle,
+# and never into pieces shorter than this many tokens.
+_SPLIT_TARGET_PROGRAMS_PER_SM = 2
+_MIN_TOKENS_PER_SPLIT = 128
+_MAX_SPLITS = 32
+
+
+def _decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """Power of two (few compiled variants, stable CUDA-graph buckets)."""
+    wanted = -(-_SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // max(num_programs, 1))
+    splits = max(1, min(wanted, max_seq_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+def choose_config(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    max_query_len: int,
+    num_seqs: int,
+    max_seq_len: int,
+    num_sms: int,
+) -> PagedAttentionConfig:
+    """Launch shape from the step's host-side sizes (no device sync)."""
+    group = num_heads // num_kv_heads
+    if max_query_len <= 1:
+        return PagedAttentionConfig(
+            decode=True,
+            block_q=1,
+            block_m=max(16, triton.next_power_of_2(group)),
+            block_n=64,
+            num_splits=_decode_num_splits(num_seqs * num_kv_heads, max_seq_len, num_sms),
+            num_warps=4,
+            num_stages=3,
+        )
+    tile_rows = 64 if dtype == torch.float32 else 128
+    block_q = min(triton.next_power_of_2(max_query_len), max(1, tile_rows // group))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    return PagedAttentionConfig(
+        decode=False,
+        block_q=block_q,
+        block_m=block_m,
+        block_n=32 if dtype == torch.float32 else 64,
+        num_splits=1,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=2,
+    )
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Last sequence whose first tile index (query_start // BLOCK_Q + seq) is <= tile.
+
+    Sequence i owns at most q_len_i // BLOCK_Q + 1 tiles, so these starts never
+    overlap and the grid needs only num_tokens // BLOCK_Q + num_seqs programs.
+    """
+    lo = tl.zeros((), dtype=tl.int32)
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        starts_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(starts_before, mid, lo)
+        hi = tl.where(starts_before, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,  # final output, or fp32 partial outputs [tokens, heads, splits, dim] when SPLIT
+    lse_ptr,  # fp32 [tokens, heads, splits] log2-sum-exp of each split (SPLIT only)
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,  # softmax scale * log2(e): the kernel works in base 2
+    num_seqs,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    QUERY_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = tl.program_id(0)
+        first_tok = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q)
+        first_seq_tile = tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq
+        first_tok = (tl.program_id(0) - first_seq_tile) * BLOCK_Q
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first_tok + rows // QUERY_GROUP
+    head = kv_head * QUERY_GROUP + rows % QUERY_GROUP
+    row_valid = (rows < BLOCK_Q * QUERY_GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok  # causal: row sees context positions <= q_pos
+    token_row = (q_start + tok).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        query_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+
+    # Context this tile needs, cut into num_splits BLOCK_N-aligned ranges.
+    kv_end = tl.minimum(seq_len, seq_len - q_len + first_tok + BLOCK_Q)
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = split * split_len
+    kv_stop = tl.minimum(kv_start + split_len, kv_end)
+
+    # A finite floor (not -inf) keeps fully masked rows free of inf - inf.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq * stride_bt
+    head_offset = kv_head * stride_ch
+    for start in range(kv_start, kv_stop, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        in_range = pos < kv_stop
+        block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        kv_offset = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
+        k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=in_range[None, :], other=0.0)
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0  # false only for an empty split or a zero-length context
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_rows = token_row * stride_ot + head * stride_oh + split * stride_os
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if SPLIT:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + token_row * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr,
+    lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """Combine each split's normalised output, weighted by exp2(lse - max lse)."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    valid = splits < num_splits
+    lse = tl.load(lse_ptr + tok * stride_lt + head * stride_lh + splits, mask=valid, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    total = tl.sum(weight, 0)
+    partial = tl.load(
+        partial_ptr + tok * stride_pt + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
+    if query.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim] and the cache [num_blocks, block_size, num_kv_heads, head_dim]; "
+            f"got {tuple(query.shape)} and {tuple(k_cache.shape)}"
+        )
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} unsupported: the Triton backend needs a power of two >= 16")
+    if query.dtype not in _SUPPORTED_DTYPES or k_cache.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtypes query={query.dtype} cache={k_cache.dtype}; use float16, bfloat16 or float32")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if query_start_loc.shape[0] != seq_lens.shape[0] + 1 or block_tables.shape[0] < seq_lens.shape[0]:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries and block_tables at least num_seqs rows")
+    if query.stride(2) != 1 or k_cache.stride(3) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("query, cache and block_tables need a contiguous last dimension")
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    scale: float,
+    *,
+    max_query_len: int,
+    config: PagedAttentionConfig,
+) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its paged context."""
+    _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if config.decode and max_query_len > 1:
+        raise ValueError(f"a decode config needs max_query_len <= 1, got {max_query_len}")
+    if config.num_splits > 1 and not config.decode:
+        raise ValueError("split-KV is only for decode configs")
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    split = config.num_splits > 1
+    if split:
+        partial = torch.empty((num_tokens, num_heads, config.num_splits, head_dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((num_tokens, num_heads, config.num_splits), dtype=torch.float32, device=query.device)
+        target, stride_os, lse_strides = partial, partial.stride(2), (lse.stride(0), lse.stride(1))
+    else:
+        lse, target, stride_os, lse_strides = out, out, 0, (0, 0)
+    if config.decode:
+        grid = (num_seqs, num_kv_heads, config.num_splits)
+    else:
+        grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, 1)
+    _paged_attention_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        target,
+        lse,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * math.log2(math.e),
+        num_seqs,
+        config.num_splits,
+        query.stride(0),
+        query.stride(1),
+        target.stride(0),
+        target.stride(1),
+        stride_os,
+        *lse_strides,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        QUERY_GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_Q=config.block_q,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DECODE=config.decode,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            partial,
+            lse,
+            out,
+            config.num_splits,
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_PAD=triton.next_power_of_2(config.num_splits),
+            num_warps=4,
+        )
+    return out

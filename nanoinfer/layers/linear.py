@@ -1,0 +1,135 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Each layer holds only this rank's shard of the weight and exposes a
+`weight_loader(param, loaded_weight, shard_id=None)` that copies that shard
+out of a full checkpoint tensor, so loading never places the whole model on
+one rank. Column-parallel layers split the output features (no communication
+in forward); the row-parallel layer splits the input features and sums the
+partial outputs over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy with a shape check (the dtype is converted by the copy)."""
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch: checkpoint slice {tuple(src.shape)}, parameter slice {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None) -> None:
+    """Loader for replicated parameters (norms): the checkpoint tensor is the parameter."""
+    copy_weight(param.data, loaded_weight)
+
+
+def shard_of(tensor: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
+    """This rank's contiguous 1/world_size slice of `tensor` along `dim` (a view, no copy)."""
+    size = divide(tensor.shape[dim], world_size, f"checkpoint dim {dim} of shape {tuple(tensor.shape)}")
+    return tensor.narrow(dim, rank * size, size)
+
+
+class LinearBase(nn.Module):
+    """Owns this rank's weight (and bias) shard; subclasses define how forward combines shards
+    and how `weight_loader` cuts a checkpoint tensor."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        """Sizes are this rank's (already divided)."""
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T + b with W's rows (output features) split over ranks; each rank keeps its slice of y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, divide(output_size, tp_world_size(), "output_size"), bias)
+
+    def shard_range(self, shard_id) -> tuple[int, int]:
+        """(offset, size) along dim 0 of this rank's parameter that checkpoint shard `shard_id` fills."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} takes no shard_id, got {shard_id!r}")
+        return 0, self.weight.shape[0]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        offset, size = self.shard_range(shard_id)
+        copy_weight(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, self.tp_rank, self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up:
+    shard_id 0 and 1). Each rank holds its slice of every projection, back to back."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        for size in output_sizes:
+            divide(size, tp_world_size(), "output_size")
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        return offset, self.output_sizes[shard_id] // self.tp_size
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused Q, K, V projections (shard_id "q", "k", "v"). Query and KV heads are split evenly
+    over ranks, so each rank's attention is self-contained (GQA groups stay on one rank)."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+    ) -> None:
+        world = tp_world_size()
+        if total_num_heads % world or total_num_kv_heads % world:
+            valid = [s for s in range(1, total_num_kv_heads + 1) if total_num_heads % s == 0 and total_num_kv_heads % s == 0]
+            raise ValueError(
+                f"tensor-parallel size {world} must divide num_attention_heads={total_num_heads} and "
+                f"num_key_value_heads={total_num_kv_heads}; valid tensor-parallel sizes: {valid}"
+            )
+        super().__init__(hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_dim, bias)
+        self.num_heads, self.num_kv_heads = total_num_heads // world, total_num_kv_heads // world
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+
+    def shard_range(self, shard_id: str) -> tuple[int, int]:
+        ranges = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}
+        if shard_id not in ranges:
+            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        return ranges[shard_id]
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T + b with W's columns (input features) split over ranks: the input arrives already
+    split (from a column-parallel layer) and the partial products are summed over ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, tp_world_size(), "input_size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if param is self.weight:
+            loaded_weight = shard_of(loaded_weight, 1, self.tp_rank, self.tp_size)
+        copy_weight(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The (replicated) bias is added by rank 0 only, so the sum counts it once.
+        return tp_all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))

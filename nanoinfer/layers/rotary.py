@@ -1,0 +1,67 @@
+"""Rotary position embedding (neox layout: the head's two halves rotate as
+pairs). The cos/sin table for every position is built once at start-up and
+indexed by `positions`, so forward is a gather plus elementwise math."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """One dict with `rope_theta` and `rope_type` (plus scaling keys), whichever form the config uses:
+    transformers 5 keeps everything in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = {**(getattr(hf_config, "rope_scaling", None) or {}), "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    # Old configs spell the type as "type"; no type means plain RoPE.
+    return {**params, "rope_type": params.get("rope_type", params.get("type")) or "default"}
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 context extension: long wavelengths are slowed by `factor`, short ones kept,
+    and the band in between interpolated linearly in 1/wavelength."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    original_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
+        super().__init__()
+        rope_type = rope_parameters["rope_type"]
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        self.head_dim = head_dim
+        inv_freq = 1.0 / (rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, head_dim / 2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x1, x2 = x.view(shape[0], -1, self.head_dim).float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype).view(shape)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; query/key: [T, heads * head_dim] -> rotated, same shapes (math in float32)."""
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+
+def get_rope(head_dim: int, max_position: int, hf_config: Any) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, max_position, get_rope_parameters(hf_config))

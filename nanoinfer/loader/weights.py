@@ -1,0 +1,169 @@
+"""Builds a model and fills its weights: from a Hugging Face folder of
+`*.safetensors` files, or with small random values (`dummy`, for benchmarks
+and tests without a checkpoint).
+
+Loading streams one checkpoint tensor at a time; each parameter's
+`weight_loader` copies only this rank's shard into place, so with tensor
+parallelism no rank holds the full model. Every name is checked before
+anything is read: a missing or unexpected weight fails fast, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nanoinfer.layers.linear import default_weight_loader
+from nanoinfer.models.registry import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DUMMY_SEED = 0
+DUMMY_RANGE = 1e-3
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _model_dir(model_path: str | Path) -> Path:
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model path {str(path)!r} is a file; expected a Hugging Face model folder")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
+    return path
+
+
+def get_hf_config(model_path: str | Path) -> Any:
+    """The transformers config of a model folder, or of a bare config.json file (enough for dummy
+    weights). Never touches the network."""
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if path.is_file() and path.suffix != ".json":
+        raise ValueError(f"model path {str(path)!r} is neither a model folder nor a config .json file")
+    source = path if path.is_file() else _model_dir(path)
+    return AutoConfig.from_pretrained(str(source), local_files_only=True)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint files: those listed by the shard index if there is one; else `model.safetensors`;
+    else every `*.safetensors` (the index or `model.safetensors` wins over stray files such as
+    Mistral's `consolidated.safetensors`, which holds the same weights under other names)."""
+    index = folder / _SAFETENSORS_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard files that are missing: {missing}")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {others}; only safetensors is supported)" if others else ""
+        raise FileNotFoundError(f"model folder {str(folder)!r} has no *.safetensors weights{hint}")
+    return files
+
+
+def _checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, Any]]:
+    """Checkpoint tensor name -> (our parameter, shard_id). A fused parameter such as
+    `...self_attn.qkv_proj.weight` is the target of `...q_proj.weight` (shard "q") etc.
+    A tied LM head shares the embedding parameter, so only the embedding is expected."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    targets: dict[str, tuple[nn.Parameter, Any]] = {}
+    for name, param in model.named_parameters():
+        module_path, _, leaf = name.rpartition(".")
+        parent, _, module_name = module_path.rpartition(".")
+        prefix = f"{parent}." if parent else ""
+        for checkpoint_module, shard_id in packed.get(module_name, [(module_name, None)]):
+            targets[f"{prefix}{checkpoint_module}.{leaf}"] = (param, shard_id)
+    return targets
+
+
+def _is_ignored(name: str, hf_config: Any) -> bool:
+    """Checkpoint tensors we do not need: old Llama exports store RoPE's inv_freq, and some
+    tied-embedding checkpoints store a copy of the embedding as lm_head."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    return name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False)
+
+
+def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any) -> None:
+    files = _safetensors_files(folder)
+    names_by_file: dict[Path, list[str]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names_by_file[file] = [n for n in f.keys() if not _is_ignored(n, hf_config)]
+    targets = _checkpoint_targets(model)
+    found = {n for names in names_by_file.values() for n in names}
+    missing, unexpected = sorted(targets.keys() - found), sorted(found - targets.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint in {str(folder)!r} does not match {type(model).__name__}: "
+            f"missing weights {missing}, unexpected weights {unexpected}"
+        )
+    for file, names in names_by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in names:
+                param, shard_id = targets[name]
+                loaded = f.get_tensor(name)
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    weight_loader(param, loaded, shard_id)
+                except (ValueError, RuntimeError) as e:
+                    raise ValueError(
+                        f"cannot load checkpoint tensor {name!r} of shape {tuple(loaded.shape)} "
+                        f"into a parameter of shape {tuple(param.shape)}: {e}"
+                    ) from e
+
+
+def _fill_dummy(model: nn.Module, device: torch.device, seed: int = DUMMY_SEED) -> None:
+    """Uniform values in ±DUMMY_RANGE, reproducible for a seed and device; no file is read."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for param in model.parameters():
+        param.data.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_path: str | Path | None,
+    hf_config: Any,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Build the architecture named by `hf_config` directly on `device` in `dtype` and load its
+    weights (`auto` and `safetensors` read `model_path`; `dummy` needs no files)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {LOAD_FORMATS}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    model_class = get_model_class(hf_config)
+    folder = None
+    if load_format != "dummy":
+        if model_path is None:
+            raise ValueError(f"load_format={load_format!r} needs a model_path; use load_format='dummy' to run without weights")
+        folder = _model_dir(model_path)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(hf_config)
+    if folder is None:
+        _fill_dummy(model, torch.device(device))
+    else:
+        _load_safetensors(model, folder, hf_config)
+    return model.eval()

@@ -1,0 +1,199 @@
+"""The data plane: turns a SchedulerOutput into tensors, runs the model, samples.
+
+It makes no policy decisions; it only follows the scheduler's token counts and
+block ids, remembers per-request state between steps, and reports the tokens
+it sampled for requests whose known tokens are all computed."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from nanoinfer.attention.backend import get_attention_backend
+from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
+from nanoinfer.config import EngineConfig
+from nanoinfer.layers.attention import bind_kv_cache
+from nanoinfer.loader.weights import load_model
+from nanoinfer.model_runner.state import CachedRequestState
+from nanoinfer.outputs import ModelRunnerOutput, TokenLogprobs
+from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanoinfer.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger("nanoinfer")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config, model_path: str, device: torch.device,
+                 dtype: torch.dtype, eos_token_ids: set[int], tp_size: int = 1) -> None:
+        self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
+        self.block_size = config.block_size
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = hf_config.vocab_size
+        self.num_layers = hf_config.num_hidden_layers
+        self.num_kv_heads = hf_config.num_key_value_heads // tp_size
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        self.attn_backend = get_attention_backend(backend)
+        torch.manual_seed(config.seed)
+        load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
+        self.model = load_model(model_path, hf_config, load_format, dtype, device)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_cache: torch.Tensor | None = None
+
+    # ----- KV cache -----
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def num_kv_blocks_for_budget(self) -> int:
+        """How many blocks the configured memory budget holds on this rank."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+            return self._profile_gpu_kv_blocks()
+        budget = self.config.kv_cache_memory_bytes or (1 << 30)
+        return max(1, budget // self.kv_block_bytes)
+
+    def _profile_gpu_kv_blocks(self) -> int:
+        """Run a worst-case forward, then give the KV cache what is left of
+        gpu_memory_utilization after weights and peak activations."""
+        num_tokens = self.config.max_num_batched_tokens
+        self.initialize_kv_cache(-(-num_tokens // self.block_size))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cache_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        metadata = self._metadata_for_single_sequence(num_tokens)
+        with torch.inference_mode(), set_forward_context(metadata):
+            hidden = self.model(ids, positions)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - cache_bytes
+        self.kv_cache = None
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        available = total * self.config.gpu_memory_utilization - peak
+        if available <= 0:
+            raise RuntimeError(f"no memory left for the KV cache: peak use {peak / 2**30:.1f} GiB of "
+                               f"{total * self.config.gpu_memory_utilization / 2**30:.1f} GiB allowed")
+        return int(available // self.kv_block_bytes)
+
+    def _metadata_for_single_sequence(self, num_tokens: int) -> AttentionMetadata:
+        num_blocks = -(-num_tokens // self.block_size)
+        return AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            max_query_len=num_tokens, max_seq_len=num_tokens,
+            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[num_tokens],
+        )
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The one preallocated KV tensor: [2, layers, blocks, block_size, kv_heads, head_dim]."""
+        self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        bind_kv_cache(self.model, self.kv_cache, self.attn_backend)
+
+    # ----- one step -----
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in scheduler_output.new_reqs:
+            self.requests[new.req_id] = CachedRequestState.from_new(new, self.device)
+        for cached in scheduler_output.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        counts = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        states = [self.requests[r] for r in req_ids]
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        seq_lens = starts + counts
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        # positions[t] = start of its request + offset within the request's chunk
+        offsets = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1], counts)
+        positions = np.repeat(starts, counts) + offsets
+        input_ids = np.concatenate([np.asarray(s.token_ids[b:e], dtype=np.int64)
+                                    for s, b, e in zip(states, starts.tolist(), seq_lens.tolist())])
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_tables = np.zeros((len(states), max_blocks), dtype=np.int32)
+        for i, s in enumerate(states):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        row = np.repeat(np.arange(len(states)), counts)
+        slot_mapping = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+        # Requests whose known tokens are now all computed get a sampled token.
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        logits_indices = query_start_loc[1:][sample_rows] - 1
+
+        to = lambda a, dtype: torch.from_numpy(a).to(self.device, dtype, non_blocking=True)  # noqa: E731
+        metadata = AttentionMetadata(
+            slot_mapping=to(slot_mapping, torch.long),
+            query_start_loc=to(query_start_loc, torch.int32),
+            seq_lens=to(seq_lens, torch.int32),
+            block_tables=to(block_tables, torch.int32),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return (to(input_ids, torch.long), to(positions, torch.long), metadata,
+                to(logits_indices, torch.long), [states[i] for i in sample_rows])
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [], [])
+        input_ids, positions, metadata, logits_indices, sample_states = self._prepare_inputs(scheduler_output)
+        with set_forward_context(metadata):
+            hidden = self.model(input_ids, positions)
+        if not sample_states:
+            return ModelRunnerOutput([], [], [])
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sampling_metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in sample_states],
+            prompt_token_ids=[s.token_ids[: s.prompt_len] for s in sample_states],
+            output_token_ids=[s.token_ids[s.prompt_len :] for s in sample_states],
+            generators=[s.seeded_generator() for s in sample_states],
+            stop_token_ids=[self._min_tokens_stop_ids(s) for s in sample_states],
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+        sampled = self.sampler(logits, sampling_metadata)
+        token_ids = sampled.sampled_token_ids.tolist()
+        for state, token_id in zip(sample_states, token_ids):
+            state.token_ids.append(token_id)
+        return ModelRunnerOutput([s.req_id for s in sample_states], token_ids,
+                                 self._logprobs_to_lists(sampled, sample_states))
+
+    def _min_tokens_stop_ids(self, state: CachedRequestState) -> set[int]:
+        params = state.sampling_params
+        ids = set(params.stop_token_ids or ())
+        return ids if params.ignore_eos else ids | self.eos_token_ids
+
+    @staticmethod
+    def _logprobs_to_lists(sampled: SamplerOutput, states: list[CachedRequestState]) -> list[TokenLogprobs | None]:
+        if sampled.logprobs is None:
+            return [None] * len(states)
+        ids = sampled.logprobs.logprob_token_ids.tolist()
+        values = sampled.logprobs.logprobs.tolist()
+        ranks = sampled.logprobs.selected_token_ranks.tolist()
+        result: list[TokenLogprobs | None] = []
+        for i, state in enumerate(states):
+            n = state.sampling_params.logprobs
+            result.append(None if n is None else
+                          TokenLogprobs(ids[i][0], values[i][0], ranks[i], ids[i][1 : 1 + n], values[i][1 : 1 + n]))
+        return result

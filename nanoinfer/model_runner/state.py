@@ -1,0 +1,39 @@
+"""What the model runner remembers about each request between steps, so a
+scheduler output only has to carry deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.scheduler.output import NewRequestData
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs; the runner appends what it samples
+    prompt_len: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @classmethod
+    def from_new(cls, new: NewRequestData, device: torch.device) -> "CachedRequestState":
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(device=device)
+        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, new.sampling_params, list(new.block_ids),
+                   new.num_computed_tokens, generator)
+
+    def seeded_generator(self) -> torch.Generator | None:
+        """Seeded sampling depends only on (seed, output position): reproducible
+        whatever the batch, and after a preemption too."""
+        if self.generator is None:
+            return None
+        num_outputs = len(self.token_ids) - self.prompt_len
+        self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + num_outputs) % (1 << 63))
+        return self.generator

@@ -1,0 +1,94 @@
+"""One request as the engine core sees it: tokens and how many are computed.
+
+There is no prefill or decode state. A request needs `num_tokens -
+num_computed_tokens` more tokens computed; once that is one and it gets a new
+token it is "decoding" only in the sense that the gap is one again."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from nanoinfer.kv_cache.hashing import extend_block_hashes
+from nanoinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int],
+        block_size: int,
+        max_tokens: int,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # resolved: params.max_tokens or what max_model_len leaves
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Token ids that end the request (eos unless ignore_eos, plus stop_token_ids).
+        self.stop_token_ids = set(sampling_params.stop_token_ids or ())
+        if not sampling_params.ignore_eos:
+            self.stop_token_ids |= eos_token_ids
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
+        self.num_preemptions = 0
+        self.block_size = block_size
+        self.block_hashes: list[int] = []
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set a finished status if the newest token ends the request (stop strings are the detokenizer's job)."""
+        if self.num_output_tokens == 0:
+            return False
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.status.is_finished

@@ -1,0 +1,148 @@
+"""Per-step sampling tensors, built once from the batch's per-row parameters.
+
+The sampler works on whole-batch tensors, one pass per operation. To keep a
+152k-entry vocabulary cheap, every optional operation is represented by
+`None` when no row in the batch uses it, so the sampler can skip it (no sort
+without top-k/top-p, no count tensors without penalties, no log_softmax
+without logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    # [B] bool, only for a batch mixing greedy and random rows.
+    is_greedy: torch.Tensor | None
+    # [B] float32; 1.0 on greedy rows so the division is harmless.
+    temperature: torch.Tensor
+    # [B] int64; vocab_size on rows without top-k (keeps everything).
+    top_k: torch.Tensor | None
+    # Largest top-k of the rows that use it: the top-k-only path needs no full sort.
+    max_top_k: int
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    # Seeded random rows own their generator; the others share the global one.
+    generators: dict[int, torch.Generator]
+    # (rows, token ids) forced to -inf: stop tokens of rows below min_tokens.
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # [B, L] int64 padded with vocab_size; rows without penalties are all padding.
+    prompt_token_ids: torch.Tensor | None
+    output_token_ids: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None  # [B] float32
+    presence_penalties: torch.Tensor | None  # [B] float32
+    frequency_penalties: torch.Tensor | None  # [B] float32
+    # Top-n logprobs to return: the largest n asked for in the batch.
+    max_num_logprobs: int | None
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        stop_token_ids: list[set[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        num_rows = len(params)
+        if num_rows == 0:
+            raise ValueError("SamplingMetadata.build needs at least one row")
+        for name, rows in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+            ("generators", generators),
+            ("stop_token_ids", stop_token_ids),
+        ):
+            if len(rows) != num_rows:
+                raise ValueError(f"{name} has {len(rows)} rows but params has {num_rows}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+
+        greedy = [p.is_greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def used(values: list[float], neutral: float) -> torch.Tensor | None:
+            return None if all(v == neutral for v in values) else floats(values)
+
+        def tokens_of(rows: list[list[int]], uses: list[bool]) -> torch.Tensor | None:
+            # Rows that need no penalty contribute only padding, not their (long) prompts.
+            return _pad([r if u else [] for r, u in zip(rows, uses)], vocab_size, device) if any(uses) else None
+
+        # Greedy rows ignore the filters, so they never force a sort.
+        top_ks = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        active_top_ks = [k for k in top_ks if k < vocab_size]
+        top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        rep = [p.repetition_penalty for p in params]
+        presence = [p.presence_penalty for p in params]
+        frequency = [p.frequency_penalty for p in params]
+        uses_rep = [r != 1.0 for r in rep]
+        uses_output = [r or pp != 0.0 or fp != 0.0 for r, pp, fp in zip(uses_rep, presence, frequency)]
+
+        return cls(
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            is_greedy=None if all_greedy or all_random else torch.tensor(greedy, device=device),
+            temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
+            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device) if active_top_ks else None,
+            max_top_k=max(active_top_ks, default=0),
+            top_p=used(top_ps, 1.0),
+            min_p=used(min_ps, 0.0),
+            generators={i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g},
+            min_tokens_mask=_min_tokens_mask(params, output_token_ids, stop_token_ids, vocab_size, device),
+            prompt_token_ids=tokens_of(prompt_token_ids, uses_rep),
+            output_token_ids=tokens_of(output_token_ids, uses_output),
+            repetition_penalties=used(rep, 1.0),
+            presence_penalties=used(presence, 0.0),
+            frequency_penalties=used(frequency, 0.0),
+            max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+        )
+
+
+def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Right-pad token lists with `pad_id` (one past the vocabulary) into one tensor."""
+    padded = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.int64)
+    for i, row in enumerate(rows):
+        padded[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return padded.to(device)
+
+
+def _min_tokens_mask(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    stop_token_ids: list[set[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, (p, output, stops) in enumerate(zip(params, output_token_ids, stop_token_ids)):
+        if len(output) >= p.min_tokens:
+            continue
+        for token_id in stops:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"stop token id {token_id} of row {i} is outside the vocabulary [0, {vocab_size})")
+            rows.append(i)
+            cols.append(token_id)
+    if not rows:
+        return None
+    return torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)

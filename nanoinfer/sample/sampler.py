@@ -1,0 +1,156 @@
+"""Turn one step's logits into next tokens (and logprobs), vectorised over the batch.
+
+Order, as in vLLM: min_tokens masking, repetition penalty, presence and
+frequency penalties; greedy rows then take the argmax; random rows divide by
+their temperature, apply top-k, top-p and min-p, and sample. Logprobs are
+those of the raw model logits (vLLM v1's default `raw_logprobs`).
+
+Sampling uses the exponential race: argmax(probs / q) with q ~ Exp(1) picks
+token i with probability probs[i], needs no cumulative sum, and lets a seeded
+row draw its own q from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanoinfer.sample.metadata import SamplingMetadata
+
+__all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata"]
+
+
+@dataclass
+class LogprobsTensors:
+    # [B, 1 + max_num_logprobs]: column 0 is the sampled token, then the top-n
+    # most likely first. A row that asked for n keeps columns [: 1 + n].
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    # [B] 1-based rank of the sampled token in the raw distribution.
+    selected_token_ranks: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.shape != (metadata.num_rows, metadata.vocab_size):
+            raise ValueError(
+                f"logits must have shape [{metadata.num_rows}, {metadata.vocab_size}] "
+                f"(rows, vocab_size of the metadata), got {list(logits.shape)}"
+            )
+        logits = logits.float()
+        raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        logits = apply_min_tokens(logits, metadata)
+        logits = apply_penalties(logits, metadata)
+        sampled = sample(logits, metadata)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs))
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.min_tokens_mask is None:
+        return logits
+    return logits.index_put(metadata.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] padded token ids -> [B, vocab_size] occurrence counts (padding id = vocab_size)."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.output_token_ids is None:
+        return logits
+    output_counts = token_counts(metadata.output_token_ids, metadata.vocab_size)
+    if metadata.repetition_penalties is not None:
+        # HF semantics over prompt + output: shrink the logit of every seen token towards "less likely".
+        seen = token_counts(torch.cat([metadata.prompt_token_ids, metadata.output_token_ids], dim=1), metadata.vocab_size) > 0
+        penalty = metadata.repetition_penalties[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if metadata.frequency_penalties is not None:
+        # OpenAI semantics, output tokens only: minus frequency * count.
+        logits = logits - metadata.frequency_penalties[:, None] * output_counts
+    if metadata.presence_penalties is not None:
+        # ... and minus presence once for any token already generated.
+        logits = logits - metadata.presence_penalties[:, None] * (output_counts > 0)
+    return logits
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy
+    logits = logits / metadata.temperature[:, None]
+    if metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    elif metadata.top_k is not None:
+        logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    random = exponential_race(logits.softmax(dim=-1), metadata.generators)
+    return random if metadata.all_random else torch.where(metadata.is_greedy, greedy, random)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Top-k without a full sort: one topk of the largest k, then a per-row threshold."""
+    top_values = logits.topk(max_top_k, dim=-1).values
+    kth = top_values.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])
+    # Rows with top_k == vocab_size have it off.
+    kth = kth.masked_fill(top_k[:, None] >= logits.shape[1], float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """One ascending sort serves both filters; ties with the k-th value are kept."""
+    sorted_logits, order = logits.sort(dim=-1)
+    vocab_size = logits.shape[1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab_size - top_k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # Drop a token when the tokens at or below it hold at most 1 - top_p, i.e.
+    # the tokens above it already reach top_p; the most likely token always stays.
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens with prob >= min_p * max prob, compared in log space (no softmax needed)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # The CPU kernel can return exactly 0, and 0 / 0 = NaN would win the argmax.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
+    sampled_logprobs = raw_logprobs.gather(1, sampled[:, None])
+    # Counting ties as better gives the sampled token its worst rank, as vLLM does.
+    ranks = (raw_logprobs >= sampled_logprobs).sum(dim=-1)
+    top_logprobs, top_ids = raw_logprobs.topk(num_logprobs, dim=-1)
+    return LogprobsTensors(
+        logprob_token_ids=torch.cat([sampled[:, None], top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        selected_token_ranks=ranks,
+    )

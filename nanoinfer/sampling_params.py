@@ -1,0 +1,125 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and ranges.
+
+Kept free of torch so the server can validate a request before anything
+heavy is imported. Every check names the field and the allowed range, since
+these errors travel straight back to API clients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this temperature a request is greedy (argmax); dividing logits by a
+# tiny temperature would only overflow.
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _check_int(name: str, value: object) -> int:
+    # bool is an int subclass; True is never a meaningful count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _check_int_list(name: str, value: object) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__} {value!r}")
+    for token_id in value:
+        if _check_int(f"{name} entry", token_id) < 0:
+            raise ValueError(f"{name} entries must be >= 0, got {token_id}")
+    return list(value)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None  # normalised to a list
+    stop_token_ids: list[int] | None = None  # normalised to a list
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-n logprobs per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if _check_int("n", self.n) < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if _check_int("top_k", self.top_k) < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive int, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not _SEED_MIN <= _check_int("seed", self.seed) <= _SEED_MAX:
+            raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else _check_int_list("stop_token_ids", self.stop_token_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if _check_int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop entries must be str, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError("stop entries must be non-empty strings")
+        return list(stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _SAMPLING_EPS

@@ -1,0 +1,216 @@
+"""One token budget per step, running requests first, then waiting ones.
+
+Every request just needs `num_tokens - num_computed_tokens` tokens computed: a
+fresh prompt needs many (a prefill, chunked when it does not fit the budget),
+a generating request needs one. All of them share one forward pass. Blocks are
+allocated lazily for exactly the tokens scheduled; when the pool runs dry the
+lowest-priority (FCFS: latest) running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.kv_cache.manager import KVCacheManager
+from nanoinfer.outputs import EngineCoreOutput, ModelRunnerOutput
+from nanoinfer.request import Request, RequestStatus
+from nanoinfer.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) under the priority policy."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+
+    def push(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._tiebreak), request))
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):
+        return (e[3] for e in self._heap) if self.policy == "priority" else iter(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the runner in the next step
+        self.num_preemptions = 0
+
+    # ----- requests in and out -----
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Abort or stop requests from outside (client gone, stop string); frees their blocks."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            finished.append(request)
+        return finished
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ----- one step -----
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        preempted_any = False
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # its next token is still being sampled (async scheduling)
+                index += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+            if new_blocks is None:  # the request preempted itself: nothing left to run
+                break
+            out.cached_reqs.append(
+                CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only when nothing had to be preempted this step.
+        while not preempted_any and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            new_blocks = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_len=request.num_prompt_tokens,
+                    all_token_ids=list(request.all_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    num_computed_tokens=num_hit,
+                )
+            )
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+
+        # Tokens count as computed once scheduled: the next step may be planned before this one returns.
+        for request in self.running:
+            request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the blocks, keep the tokens, queue at the front."""
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(request.request_id)  # the runner forgets it; it comes back as new
+        self.waiting.push(request, front=True)
+
+    def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply token-level stop conditions, free finished requests."""
+        results = []
+        for req_id, token_id, logprobs in zip(output.req_ids, output.sampled_token_ids, output.logprobs):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while its step ran
+            request.append_output_token_ids([token_id])
+            finished = request.check_stop(self.max_model_len)
+            results.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=[logprobs],
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+            if finished:
+                self.running.remove(request)
+                self._free_request(request)
+        return results
+
+    def check_invariants(self) -> None:
+        """Debug check after a step: KV bookkeeping consistent and owned only by live requests."""
+        self.kv_cache_manager.check_invariants()
+        for req_id in self.kv_cache_manager.req_to_blocks:
+            assert req_id in self.requests, f"blocks held by unknown request {req_id}"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+        for request in self.waiting:
+            assert request.request_id not in self.kv_cache_manager.req_to_blocks, f"waiting {request.request_id} holds blocks"

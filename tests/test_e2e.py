@@ -1,0 +1,133 @@
+"""End to end: our greedy output equals Hugging Face transformers token for
+token on the same weights, and stays the same under prefix-cache hits,
+chunked prefill, preemption and batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village, there lived"]
+NUM_TOKENS = 24
+SMALL_KV = 64 << 20
+
+
+def greedy(n: int = NUM_TOKENS, **kw) -> SamplingParams:
+    # min_tokens = max_tokens masks eos in both engines, so both emit exactly n tokens.
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, **kw)
+
+
+def hf_greedy(model_path: str, prompts_ids: list[list[int]], n: int = NUM_TOKENS) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompts_ids:
+            x = torch.tensor([ids])
+            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=model.config.eos_token_id)
+            outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def smol() -> LLM:
+    return LLM(kv_cache_memory_bytes=SMALL_KV)  # None: the embedded default model
+
+
+def test_smollm2_greedy_matches_transformers(smol: LLM, smollm2_path: str) -> None:
+    ours = smol.generate(PROMPTS, greedy(), use_tqdm=False)
+    prompt_ids = [o.prompt_token_ids for o in ours]
+    assert prompt_ids[0] == smol.tokenizer.encode(PROMPTS[0])
+    assert [o.outputs[0].token_ids for o in ours] == hf_greedy(smollm2_path, prompt_ids)
+    assert all(o.outputs[0].text for o in ours)
+
+
+def test_smollm2_logprobs_match_transformers(smol: LLM, smollm2_path: str) -> None:
+    """First-token top-20 logprobs within 1e-4 of transformers' log_softmax (float32 on CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    out = smol.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([out.prompt_token_ids])).logits[0, -1].log_softmax(-1)
+    ours = out.outputs[0].logprobs[0]
+    assert len(ours) >= 20
+    for token_id, logprob in ours.items():
+        assert abs(logprob - ref[token_id].item()) < 1e-4
+    assert set(ours) >= set(ref.topk(20).indices.tolist())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_greedy_match_transformers(tiny_models: dict[str, str], arch: str) -> None:
+    prompts = [[(7 * i + 3 * j) % 256 for j in range(5 + 9 * i)] for i in range(4)]
+    llm = LLM(tiny_models[arch], kv_cache_memory_bytes=SMALL_KV)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)]
+    assert ours == hf_greedy(tiny_models[arch], prompts)
+
+
+def _tiny_prompts() -> list[list[int]]:
+    shared = [(11 * j + 5) % 256 for j in range(40)]  # a 40-token shared prefix
+    return [shared + [(13 * i + j) % 256 for j in range(3 + 4 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_models) -> list[list[int]]:
+    """One request at a time, no prefix caching, big budget: the plain reference."""
+    llm = LLM(tiny_models["llama"], enable_prefix_caching=False, kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    return [llm.generate(p, greedy(32), use_tqdm=False)[0].outputs[0].token_ids for p in _tiny_prompts()]
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(_tiny_prompts(), greedy(32), use_tqdm=False)]
+
+
+def test_batched_equals_one_at_a_time(tiny_models, tiny_reference) -> None:
+    llm = LLM(tiny_models["llama"], enable_prefix_caching=False, kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    assert _tokens(llm) == tiny_reference
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_models, tiny_reference) -> None:
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    assert _tokens(llm) == tiny_reference
+    outs = llm.generate(_tiny_prompts(), greedy(32), use_tqdm=False)  # every prompt is cached now
+    assert [o.outputs[0].token_ids for o in outs] == tiny_reference
+    assert all(o.num_cached_tokens >= 40 for o in outs)
+    assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
+
+
+def test_chunked_prefill_keeps_outputs(tiny_models, tiny_reference) -> None:
+    llm = LLM(tiny_models["llama"], max_num_batched_tokens=7, kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    assert _tokens(llm) == tiny_reference
+
+
+def test_preemption_keeps_outputs(tiny_models, tiny_reference) -> None:
+    # 24 blocks of 4 tokens: each request needs up to 20 blocks, so six at once must preempt.
+    llm = LLM(tiny_models["llama"], num_kv_blocks=24, block_size=4)
+    assert _tokens(llm) == tiny_reference
+    scheduler = llm.engine.core.scheduler
+    assert scheduler.num_preemptions > 0
+    assert scheduler.kv_cache_manager.num_free_blocks == 24
+
+
+def test_n_samples_share_prompt_blocks(tiny_models) -> None:
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    out = llm.generate([list(range(1, 42))], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sample
+    assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits >= 2 * 40  # children 2 and 3 hit the prompt
+
+
+def test_seeded_sampling_reproducible_across_batches(tiny_models) -> None:
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=123, max_tokens=16)
+    alone = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [[5, 6, 7, 8], [9] * 12]
+    batched = llm.generate([[1, 2, 3]] + others, [params, SamplingParams(temperature=1.0, max_tokens=16)] * 1
+                           + [SamplingParams(temperature=1.0, max_tokens=16)], use_tqdm=False)
+    assert batched[0].outputs[0].token_ids == alone

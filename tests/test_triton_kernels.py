@@ -1,0 +1,249 @@
+"""Our Triton KV-write and paged-attention kernels against the PyTorch reference.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors. Triton
+3.9 needs TRITON_INTERPRET=1 before `triton` itself is first imported (its
+own `tl.max`/`tl.sum` helpers are decorated then) and for as long as kernels
+launch; other test files may already have imported triton (transformers'
+modeling code does), so on CPU this file re-runs itself in a child pytest
+with the variable set, and the parent only reports the child's result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.attention.torch_backend import TorchAttentionBackend
+
+RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+if RUN_HERE:
+    from nanoinfer.attention import triton_backend
+    from nanoinfer.kernels import kv_write
+    from nanoinfer.kernels import paged_attention as pa
+
+kernel_test = pytest.mark.skipif(not RUN_HERE, reason="on CPU these run in the TRITON_INTERPRET=1 child of test_cpu_interpreter_child")
+
+
+@pytest.mark.skipif(RUN_HERE, reason="kernels run in this process")
+def test_cpu_interpreter_child():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 16
+# ||out - ref|| / ||ref|| against a float64 reference (measured in the interpreter:
+# fp32 ~1e-7, fp16 ~3e-4; bounds leave a few times headroom).
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, extra_rows=0, seed=0):
+    """Random query and paged cache. Every cache slot outside a sequence's context
+    (spare blocks, the tail of a last block, block-table padding) holds NaN, so
+    any read the kernel should have masked poisons the output."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    max_blocks = max(blocks_per_seq) + 1
+    cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"))
+    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 stays all-NaN: table padding
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for i, (seq_len, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        blocks = perm[used : used + nb]
+        used += nb
+        block_tables[i, :nb] = blocks.to(torch.int32)
+        rows = cache[:, blocks].flatten(1, 2)
+        rows[:, :seq_len] = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
+        cache[:, blocks] = rows.unflatten(1, (nb, BLOCK_SIZE))
+    num_tokens = sum(q_lens)
+    query = torch.randn(num_tokens + extra_rows, num_heads, head_dim, generator=gen)
+    starts = [0]
+    for q_len in q_lens:
+        starts.append(starts[-1] + q_len)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens + extra_rows,), -1, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+    )
+    cache = cache.to(DEVICE, dtype)
+    return query.to(DEVICE, dtype), cache[0], cache[1], metadata
+
+
+def reference(query, k_cache, v_cache, metadata, scale):
+    return TorchAttentionBackend().forward(query.double(), k_cache.double(), v_cache.double(), metadata, scale)
+
+
+def rel_err(out, ref, num_tokens):
+    out, ref = out[:num_tokens].double(), ref[:num_tokens]
+    assert torch.isfinite(out).all(), "non-finite output: a masked cache slot was read"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def run_kernel(query, k_cache, v_cache, metadata, scale, **overrides):
+    config = pa.choose_config(
+        num_heads=query.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        dtype=query.dtype,
+        max_query_len=metadata.max_query_len,
+        num_seqs=metadata.num_seqs,
+        max_seq_len=metadata.max_seq_len,
+        num_sms=1,
+    )
+    config = dataclasses.replace(config, **overrides)
+    return pa.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.block_tables,
+        scale,
+        max_query_len=metadata.max_query_len,
+        config=config,
+    )
+
+
+# (q_lens, seq_lens): a decode row, a prefill over a cached prefix, a fresh
+# prefill, a chunk ending on a block boundary; lengths 15/16/17/33 straddle blocks.
+MIXED = ([1, 5, 15, 16, 17], [17, 33, 15, 32, 17])
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (4, 1)])
+def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads):
+    query, k_cache, v_cache, md = make_batch(*MIXED, num_heads, num_kv_heads, 64, dtype, extra_rows=3)
+    out = run_kernel(query, k_cache, v_cache, md, 0.125)
+    assert out.shape == query.shape and out.dtype == dtype
+    assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), sum(MIXED[0])) < REL_TOL[dtype]
+
+
+@kernel_test
+def test_small_query_tiles_span_several_tiles_per_sequence():
+    """block_q below the query lengths: sequences own several tiles and the
+    program -> (sequence, tile) search has to land every tile."""
+    query, k_cache, v_cache, md = make_batch([7, 1, 20, 3], [40, 9, 20, 16], 4, 2, 64, torch.float32)
+    out = run_kernel(query, k_cache, v_cache, md, 0.1, block_q=4, block_m=16, block_n=16)
+    assert rel_err(out, reference(query, k_cache, v_cache, md, 0.1), 31) < REL_TOL[torch.float32]
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(dtype, num_splits):
+    """With block_n 16 and 4 splits, short contexts leave some splits empty and
+    the longest (70) spans all four: the merge must weight them correctly."""
+    seq_lens = [1, 15, 16, 17, 33, 70]
+    query, k_cache, v_cache, md = make_batch([1] * len(seq_lens), seq_lens, 8, 2, 64, dtype, extra_rows=2)
+    out = run_kernel(query, k_cache, v_cache, md, 0.125, block_n=16, num_splits=num_splits)
+    assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), len(seq_lens)) < REL_TOL[dtype]
+
+
+@kernel_test
+def test_backend_write_then_attend_matches_torch_backend():
+    """Full backend path: write this step's K/V (padding slot skipped), then attend."""
+    backend = triton_backend.TritonAttentionBackend()
+    assert backend.name == "triton"
+    q_lens, seq_lens = [1, 4, 3], [20, 4, 19]
+    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, torch.float16, extra_rows=1)
+    # This step's rows are the last q_len context positions of each sequence.
+    slots = []
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(md.block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+    md.slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64, device=DEVICE)
+    key = torch.randn(len(slots) + 1, 2, 64).to(DEVICE, torch.float16)
+    value = torch.randn(len(slots) + 1, 2, 64).to(DEVICE, torch.float16)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().write_kv(key, value, ref_k, ref_v, md.slot_mapping)
+    backend.write_kv(key, value, k_cache, v_cache, md.slot_mapping)
+    assert torch.equal(k_cache.nan_to_num(7.0), ref_k.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+    out = backend.forward(query, k_cache, v_cache, md, 0.125)
+    assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), sum(q_lens)) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize(
+    "key_dtype,cache_dtype",
+    [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+)
+@kernel_test
+def test_write_kv_matches_reference_and_skips_padding(key_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 6, BLOCK_SIZE, 3, 32, generator=gen).to(DEVICE, cache_dtype)
+    # K and V as non-contiguous slices of one fused projection, like a qkv split.
+    kv = torch.randn(9, 2 * 3 * 32 + 5, generator=gen).to(DEVICE, key_dtype)
+    key, value = kv[:, :96].view(9, 3, 32), kv[:, 96:192].view(9, 3, 32)
+    slot_mapping = torch.tensor([0, 17, -1, 15, 16, 95, -1, 40, 63], dtype=torch.int64, device=DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().write_kv(key, value, ref_k, ref_v, slot_mapping)
+    kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping)
+    # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): allow one bf16 ulp there.
+    rtol = 2**-7 if DEVICE == "cpu" and key_dtype != cache_dtype else 0.0
+    torch.testing.assert_close(k_cache, ref_k, rtol=rtol, atol=0.0)
+    torch.testing.assert_close(v_cache, ref_v, rtol=rtol, atol=0.0)
+
+
+@kernel_test
+def test_choose_config_splits_only_when_sequences_leave_sms_idle():
+    def config(num_seqs, max_seq_len, max_query_len=1):
+        return pa.choose_config(
+            num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=max_query_len,
+            num_seqs=num_seqs, max_seq_len=max_seq_len, num_sms=132,
+        )
+
+    one_long = config(1, 2000)
+    assert one_long.decode and one_long.num_splits == 8  # 2000 // 128 = 15 -> power of two below
+    assert config(1, 100_000).num_splits == 32
+    assert config(1, 100).num_splits == 1  # too short to be worth a merge
+    assert config(256, 2000).num_splits == 1
+    prefill = config(4, 2000, max_query_len=300)
+    assert not prefill.decode and prefill.num_splits == 1
+    assert prefill.block_q * 2 <= prefill.block_m <= 128
+    assert config(4, 2000, max_query_len=5).block_m == 16  # short chunks get short tiles
+
+
+@kernel_test
+def test_bad_inputs_raise_clear_errors():
+    query, k_cache, v_cache, md = make_batch([1, 1], [5, 9], 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        run_kernel(query[..., :48], k_cache[..., :48], v_cache[..., :48], md, 0.1)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        run_kernel(query[:, :3], k_cache, v_cache, md, 0.1)
+    with pytest.raises(ValueError, match="max_query_len"):
+        _, _, _, prefill_md = make_batch([3, 1], [5, 9], 4, 2, 64, torch.float32)
+        decode_config = pa.choose_config(
+            num_heads=4, num_kv_heads=2, dtype=torch.float32, max_query_len=1, num_seqs=2, max_seq_len=9, num_sms=1
+        )
+        pa.paged_attention(
+            query, k_cache, v_cache, prefill_md.query_start_loc, prefill_md.seq_lens, prefill_md.block_tables, 0.1,
+            max_query_len=3, config=decode_config,
+        )
+    md.block_tables = md.block_tables.long()
+    with pytest.raises(TypeError, match="block_tables must be int32"):
+        run_kernel(query, k_cache, v_cache, md, 0.1)
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        kv_write.write_kv(query[:, :2], query[:, :2], k_cache, v_cache, md.slot_mapping.int())
