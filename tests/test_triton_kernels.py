@@ -55,26 +55,27 @@ REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, extra_rows=0, seed=0):
-    """Random query and paged cache. Every cache slot outside a sequence's context
-    (spare blocks, the tail of a last block, block-table padding) holds NaN, so
-    any read the kernel should have masked poisons the output."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random query and paged cache (built on DEVICE, so the GPU tests reuse it at
+    batch 256). Every cache slot outside a sequence's context (spare blocks, the
+    tail of a last block, block-table padding) holds NaN, so any read the kernel
+    should have masked poisons the output."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
-    max_blocks = max(blocks_per_seq) + 1
-    cache = torch.full((2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim), float("nan"))
-    perm = torch.randperm(num_blocks - 1, generator=gen) + 1  # block 0 stays all-NaN: table padding
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    used = 0
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1  # block 0: table padding
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    slots, used = [], 0
     for i, (seq_len, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        blocks = perm[used : used + nb]
+        block_tables[i, :nb] = perm[used : used + nb]
         used += nb
-        block_tables[i, :nb] = blocks.to(torch.int32)
-        rows = cache[:, blocks].flatten(1, 2)
-        rows[:, :seq_len] = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
-        cache[:, blocks] = rows.unflatten(1, (nb, BLOCK_SIZE))
+        pos = torch.arange(seq_len)
+        slots.append(block_tables[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    slots = torch.cat(slots).to(DEVICE)
+    cache = torch.full((2, num_blocks * BLOCK_SIZE, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    cache[:, slots] = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
+    cache = cache.view(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     num_tokens = sum(q_lens)
-    query = torch.randn(num_tokens + extra_rows, num_heads, head_dim, generator=gen)
+    query = torch.randn(num_tokens + extra_rows, num_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
     starts = [0]
     for q_len in q_lens:
         starts.append(starts[-1] + q_len)
@@ -88,8 +89,7 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, ex
         query_start_loc_cpu=starts,
         seq_lens_cpu=list(seq_lens),
     )
-    cache = cache.to(DEVICE, dtype)
-    return query.to(DEVICE, dtype), cache[0], cache[1], metadata
+    return query, cache[0], cache[1], metadata
 
 
 def reference(query, k_cache, v_cache, metadata, scale):

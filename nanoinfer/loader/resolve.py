@@ -42,6 +42,7 @@ def _eos_ids(value) -> set[int]:
 
 def resolve_model(config: EngineConfig) -> ModelSource:
     from nanoinfer.loader.weights import get_hf_config
+    from nanoinfer.models.registry import get_model_class
 
     if config.model is None:
         from nanoinfer.loader.default_model import default_model_path
@@ -55,6 +56,7 @@ def resolve_model(config: EngineConfig) -> ModelSource:
             raise ValueError(f"load_format='gguf' needs a .gguf file, got {config.model!r}")
         model_path = _as_folder(config.model)
     hf_config = get_hf_config(model_path)
+    get_model_class(hf_config)  # an unsupported architecture fails here, before anything is built
 
     tokenizer_path = _as_folder(config.tokenizer) if config.tokenizer else None
     if tokenizer_path is None and _has_tokenizer(model_path):

@@ -48,7 +48,10 @@ def get_hf_config(model_path: str | Path) -> Any:
     if path.is_file() and path.suffix != ".json":
         raise ValueError(f"model path {str(path)!r} is neither a model folder nor a config .json file")
     source = path if path.is_file() else _model_dir(path)
-    return AutoConfig.from_pretrained(str(source), local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(str(source), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a malformed config
+        raise ValueError(f"cannot read the model config at {str(source)!r}: {e}") from e
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,233 @@
+"""GPU micro-benchmark of our paged-attention kernels, Qwen3-0.6B attention shape
+(16 query heads, 8 KV heads, head_dim 128, block 16, bf16).
+
+Decode time is one attention call, taken from CUDA-graph replays of many calls
+(as the engine's decode step runs), each call over its own block table into a
+4 GiB cache pool so the data is not L2-resident between calls. Bytes counted
+per call are the ones it must move: K and V of every context token, block-table
+entries, the query read and the output written; achieved GB/s = bytes / time,
+compared with a device-to-device copy (bytes read + written).
+
+Usage: PYTHONPATH=. python bench/kernels.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+
+import torch
+import triton
+
+from nanoinfer.kernels.kv_write import write_kv
+from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
+ELEM = 2
+POOL_BYTES = 4 << 30
+L2_MULTIPLE = 4  # rotate over at least this many L2-sizes of data per replay
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus written."""
+    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+class Pool:
+    """One big bf16 K/V cache that every benchmark call draws blocks from."""
+
+    def __init__(self) -> None:
+        block_bytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * ELEM
+        self.num_blocks = POOL_BYTES // block_bytes
+        kv = torch.randn(2, self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.k_cache, self.v_cache = kv[0], kv[1]
+        self.l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+        self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def decode_bytes(batch: int, ctx: int) -> int:
+    kv = batch * ctx * NUM_KV_HEADS * HEAD_DIM * ELEM * 2
+    table = batch * triton.cdiv(ctx, BLOCK_SIZE) * 4
+    q_and_out = 2 * batch * NUM_HEADS * HEAD_DIM * ELEM
+    return kv + table + q_and_out
+
+
+def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig):
+    """Closures over disjoint block tables, enough of them to exceed L2 several times."""
+    blocks_per_call = batch * triton.cdiv(ctx, BLOCK_SIZE)
+    per_call = decode_bytes(batch, ctx)
+    reps = max(1, min(pool.num_blocks // blocks_per_call, triton.cdiv(L2_MULTIPLE * pool.l2_bytes, per_call), 512))
+    perm = torch.randperm(pool.num_blocks, device="cuda").to(torch.int32)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    query_start_loc = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    calls = []
+    for r in range(reps):
+        block_tables = perm[r * blocks_per_call : (r + 1) * blocks_per_call].view(batch, -1)
+
+        def call(block_tables=block_tables):
+            return paged_attention(
+                query, pool.k_cache, pool.v_cache, query_start_loc, seq_lens, block_tables, HEAD_DIM**-0.5,
+                max_query_len=1, config=config,
+            )
+
+        calls.append(call)
+    return calls
+
+
+def graph_time_per_call(calls, replays: int = 20) -> float:
+    """Seconds per call from CUDA-graph replays of all calls (median replay)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> PagedAttentionConfig:
+    return choose_config(
+        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, dtype=DTYPE, max_query_len=max_query_len,
+        num_seqs=batch, max_seq_len=ctx, num_sms=pool.num_sms,
+    )
+
+
+def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig) -> dict:
+    seconds = graph_time_per_call(decode_calls(pool, batch, ctx, config))
+    nbytes = decode_bytes(batch, ctx)
+    return {"batch": batch, "ctx": ctx, "splits": config.num_splits, "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
+
+
+def bench_prefill(pool: Pool, q_len: int, ctx: int) -> dict:
+    """One sequence: q_len new tokens over a ctx-token context (ctx - q_len cached)."""
+    blocks = triton.cdiv(ctx, BLOCK_SIZE)
+    block_tables = torch.randperm(pool.num_blocks, device="cuda")[:blocks].to(torch.int32).view(1, -1)
+    query = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    query_start_loc = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
+    seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
+    config = default_config(pool, 1, ctx, q_len)
+    ms = triton.testing.do_bench(
+        lambda: paged_attention(
+            query, pool.k_cache, pool.v_cache, query_start_loc, seq_lens, block_tables, HEAD_DIM**-0.5,
+            max_query_len=q_len, config=config,
+        ),
+        warmup=25, rep=200, return_mode="median",
+    )
+    visible = sum(ctx - q_len + i + 1 for i in range(q_len))
+    flops = 4 * NUM_HEADS * HEAD_DIM * visible
+    # Yardstick: torch SDPA on contiguous tensors (flash kernel), causal over the same keys.
+    q = query.transpose(0, 1).unsqueeze(0)
+    kv = torch.randn(2, 1, NUM_KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=DTYPE)
+    mask = None if q_len == ctx else torch.ones(q_len, ctx, device="cuda", dtype=torch.bool).tril(ctx - q_len)
+    sdpa_ms = triton.testing.do_bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        ),
+        warmup=25, rep=200, return_mode="median",
+    )
+    return {"q_len": q_len, "ctx": ctx, "block_m": config.block_m, "us": ms * 1e3, "tflops": flops / ms / 1e9, "sdpa_us": sdpa_ms * 1e3}
+
+
+def bench_kv_write(pool: Pool, num_tokens: int) -> dict:
+    key, value = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    slots = torch.randperm(pool.num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
+    ms = triton.testing.do_bench(lambda: write_kv(key, value, pool.k_cache, pool.v_cache, slots), warmup=25, rep=200, return_mode="median")
+    nbytes = 2 * 2 * key.numel() * ELEM + slots.numel() * 8
+    return {"tokens": num_tokens, "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the config and split sweeps")
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results: dict = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__}
+    copy_bw = copy_bandwidth()
+    results["copy_gbps"] = copy_bw / 1e9
+    pool = Pool()
+    print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB")
+
+    if not args.quick:
+        # Decode tile shape sweep (no split) on shapes with enough programs to fill the GPU.
+        sweep = []
+        for batch, ctx in [(256, 2000), (64, 1000), (32, 500)]:
+            base = default_config(pool, batch, ctx)
+            for block_n in (32, 64, 128):
+                for num_warps in (2, 4, 8):
+                    for num_stages in (2, 3, 4):
+                        cfg = dataclasses.replace(base, block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=1)
+                        try:
+                            row = bench_decode(pool, batch, ctx, cfg)
+                        except Exception as exc:  # out of shared memory etc.: record and go on
+                            row = {"batch": batch, "ctx": ctx, "error": type(exc).__name__}
+                        sweep.append({**row, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages})
+        results["config_sweep"] = sweep
+        print("\nconfig sweep (us per call, no split):")
+        for batch, ctx in [(256, 2000), (64, 1000), (32, 500)]:
+            rows = sorted((r for r in sweep if r["batch"] == batch and r["ctx"] == ctx and "us" in r), key=lambda r: r["us"])
+            best = ", ".join(f"N{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}={r['us']:.1f}" for r in rows[:6])
+            print(f"  b{batch} ctx{ctx}: {best}")
+
+        # Split-count sweep where sequences x KV heads leave SMs idle.
+        splits_rows = []
+        for batch in (1, 4, 8, 16, 32, 64):
+            for ctx in (500, 2000):
+                base = default_config(pool, batch, ctx)
+                row = {"batch": batch, "ctx": ctx, "heuristic": base.num_splits}
+                for splits in (1, 2, 4, 8, 16, 32):
+                    row[splits] = bench_decode(pool, batch, ctx, dataclasses.replace(base, num_splits=splits))["us"]
+                splits_rows.append(row)
+        results["split_sweep"] = splits_rows
+        print("\nsplit sweep (us per call; * = heuristic):")
+        print("  batch  ctx " + "".join(f"{s:>9}" for s in (1, 2, 4, 8, 16, 32)))
+        for row in splits_rows:
+            cells = "".join(f"{row[s]:>8.1f}{'*' if s == row['heuristic'] else ' '}" for s in (1, 2, 4, 8, 16, 32))
+            print(f"  {row['batch']:>5} {row['ctx']:>4} {cells}")
+
+    prefill = [bench_prefill(pool, q, c) for q, c in [(2048, 2048), (512, 2048), (8192, 8192)]]
+    results["prefill"] = prefill
+    kv_writes = [bench_kv_write(pool, n) for n in (256, 8192)]
+    results["kv_write"] = kv_writes
+
+    decode = []
+    for batch in (1, 4, 16, 64, 256):
+        for ctx in (100, 500, 1000, 2000):
+            decode.append(bench_decode(pool, batch, ctx, default_config(pool, batch, ctx)))
+    results["decode"] = decode
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+    print("\nprefill (one sequence, bf16):")
+    for r in prefill:
+        print(f"  q {r['q_len']:>5} ctx {r['ctx']:>5} block_m {r['block_m']}: {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s  (torch sdpa {r['sdpa_us']:.1f} us)")
+    print("kv_write:", ", ".join(f"{r['tokens']} tokens {r['us']:.1f} us {r['gbps']:.0f} GB/s" for r in kv_writes))
+    print(f"\ndecode attention, default config, per call (CUDA graph); copy rate {copy_bw / 1e9:.0f} GB/s")
+    print("  batch   ctx splits       us    MB read     GB/s  % copy")
+    for r in decode:
+        print(
+            f"  {r['batch']:>5} {r['ctx']:>5} {r['splits']:>6} {r['us']:>8.1f} {r['bytes'] / 1e6:>10.2f} {r['gbps']:>8.0f} {100 * r['gbps'] * 1e9 / copy_bw:>6.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

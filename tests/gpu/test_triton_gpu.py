@@ -1,0 +1,131 @@
+"""The Triton kernels on CUDA over the full matrix: fp16/bf16, GQA 1/2/4/8,
+head_dim 64/128, many context lengths, batches up to 256, split-KV on and off,
+and a decode step captured in a CUDA graph and replayed at other lengths.
+
+Run on a GPU machine: `python -m pytest -m gpu tests/gpu`.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+if torch.cuda.is_available():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_triton_kernels import REL_TOL, make_batch, reference, rel_err, run_kernel
+
+    from nanoinfer.attention.torch_backend import TorchAttentionBackend
+    from nanoinfer.attention.triton_backend import TritonAttentionBackend
+
+HEADS = [(8, 8), (8, 4), (8, 2), (16, 2)]  # GQA 1, 2, 4, 8
+LENGTHS = [1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 255, 500, 1000, 1023, 2047]
+
+
+def mixed_lengths(seed):
+    """Every context length above with a spread of query lengths: whole prefills,
+    prefixes of all sizes, decode rows and chunks ending on block boundaries."""
+    rng = random.Random(seed)
+    q_lens, seq_lens = [], []
+    for seq_len in LENGTHS:
+        for q_len in {1, seq_len, rng.randint(1, seq_len), min(seq_len, 16)}:
+            q_lens.append(q_len)
+            seq_lens.append(seq_len)
+    order = list(range(len(q_lens)))
+    rng.shuffle(order)
+    return [q_lens[i] for i in order], [seq_lens[i] for i in order]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_mixed_prefill_and_decode(dtype, head_dim, num_heads, num_kv_heads):
+    q_lens, seq_lens = mixed_lengths(seed=head_dim + num_heads * 10 + num_kv_heads)
+    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, extra_rows=5)
+    out = TritonAttentionBackend().forward(query, k_cache, v_cache, md, head_dim**-0.5)
+    assert rel_err(out, reference(query, k_cache, v_cache, md, head_dim**-0.5), sum(q_lens)) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("num_splits", [1, 8, None])  # None: the heuristic's choice on this GPU
+def test_decode_batches(dtype, head_dim, num_heads, num_kv_heads, num_splits):
+    rng = random.Random(num_heads + head_dim)
+    for batch in (1, 7, 64, 256):
+        seq_lens = [rng.choice(LENGTHS + [rng.randint(1, 3000)]) for _ in range(batch)]
+        query, k_cache, v_cache, md = make_batch([1] * batch, seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=batch)
+        scale = head_dim**-0.5
+        if num_splits is None:
+            out = TritonAttentionBackend().forward(query, k_cache, v_cache, md, scale)
+        else:
+            out = run_kernel(query, k_cache, v_cache, md, scale, num_splits=num_splits)
+        assert rel_err(out, reference(query, k_cache, v_cache, md, scale), batch) < REL_TOL[dtype], f"batch {batch}"
+
+
+def test_float32_uses_exact_dot():
+    q_lens, seq_lens = mixed_lengths(seed=3)
+    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 8, 2, 128, torch.float32)
+    out = TritonAttentionBackend().forward(query, k_cache, v_cache, md, 0.1)
+    assert rel_err(out, reference(query, k_cache, v_cache, md, 0.1), sum(q_lens)) < REL_TOL[torch.float32]
+
+
+def test_long_prefix_chunk():
+    """A 512-token chunk over a 3000-token cached prefix, next to decode rows."""
+    query, k_cache, v_cache, md = make_batch([512, 1, 1], [3512, 3000, 40], 16, 8, 128, torch.bfloat16)
+    out = TritonAttentionBackend().forward(query, k_cache, v_cache, md, 128**-0.5)
+    assert rel_err(out, reference(query, k_cache, v_cache, md, 128**-0.5), 514) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_write_kv_large_batch_with_padding(dtype):
+    k_cache, v_cache = torch.randn(2, 300, 16, 8, 128, device="cuda").to(dtype)
+    key, value = torch.randn(2, 1000, 8, 128, device="cuda").to(dtype)
+    slot_mapping = torch.randperm(300 * 16, device="cuda")[:1000]
+    slot_mapping[::7] = -1
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().write_kv(key, value, ref_k, ref_v, slot_mapping)
+    TritonAttentionBackend().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+@pytest.mark.parametrize("batch,max_len", [(2, 2000), (64, 600)])  # split-KV on, off
+def test_decode_step_replays_in_cuda_graph(batch, max_len):
+    """Capture write_kv + forward once, then replay with every sequence one token
+    longer and fresh inputs: the graph must read lengths from device memory."""
+    rng = random.Random(batch)
+    seq_lens = [rng.randint(1, max_len - 40) for _ in range(batch)]
+    query, k_cache, v_cache, md = make_batch([1] * batch, [s + 30 for s in seq_lens], 16, 8, 128, torch.bfloat16)
+    md.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
+    md.seq_lens_cpu, md.max_seq_len = seq_lens, max_len  # captured for the bucket's max length
+    backend = TritonAttentionBackend()
+    key, value = torch.randn(2, batch, 8, 128, device="cuda", dtype=torch.bfloat16)
+
+    def slots_for(lengths):
+        pos = torch.tensor(lengths, device="cuda") - 1
+        return md.block_tables[torch.arange(batch, device="cuda"), pos // 16].long() * 16 + pos % 16
+
+    md.slot_mapping.copy_(slots_for(seq_lens))
+    for _ in range(2):  # compile and warm up outside the capture
+        backend.write_kv(key, value, k_cache, v_cache, md.slot_mapping)
+        backend.forward(query, k_cache, v_cache, md, 128**-0.5)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.write_kv(key, value, k_cache, v_cache, md.slot_mapping)
+        out = backend.forward(query, k_cache, v_cache, md, 128**-0.5)
+    for step in range(1, 4):
+        lengths = [s + step for s in seq_lens]
+        md.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        md.slot_mapping.copy_(slots_for(lengths))
+        query.normal_()
+        key.normal_()
+        value.normal_()
+        graph.replay()
+        md.seq_lens_cpu = lengths
+        assert rel_err(out, reference(query, k_cache, v_cache, md, 128**-0.5), batch) < REL_TOL[torch.bfloat16]

@@ -1,0 +1,126 @@
+"""Bad input gets a clear error before it enters the engine, and never harms
+requests already in flight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanoinfer import LLM, EngineConfig, SamplingParams
+
+SMALL_KV = 32 << 20
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> LLM:
+    return LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, max_model_len=128)
+
+
+def test_unknown_engine_argument() -> None:
+    with pytest.raises(TypeError, match="unknown engine argument.*'max_num_sequences'"):
+        LLM(max_num_sequences=4)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_size=0), "block_size must be a positive integer"),
+    (dict(dtype="float8"), "dtype='float8' is not one of"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(scheduling_policy="random"), "scheduling_policy"),
+])
+def test_bad_engine_config(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_missing_model_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_corrupt_gguf(tmp_path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="broken.gguf"):
+        LLM(str(bad))
+
+
+def test_unsupported_architecture(tmp_path, tiny_models) -> None:
+    config = json.loads(open(f"{tiny_models['llama']}/config.json").read())
+    config["architectures"] = ["FalconForCausalLM"]
+    config["model_type"] = "falcon"
+    del config["head_dim"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FalconForCausalLM"):
+        LLM(str(tmp_path / "config.json"), load_format="dummy")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the model config"):
+        LLM(str(tmp_path / "config.json"), load_format="dummy")
+
+
+def test_max_model_len_beyond_model(tiny_models) -> None:
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(tiny_models["llama"], max_model_len=100_000)
+
+
+@pytest.mark.parametrize("prompt, params, error, match", [
+    ([], SamplingParams(), ValueError, "prompt is empty"),
+    ("", SamplingParams(), ValueError, "prompt is empty"),
+    ([1, 2, 9999], SamplingParams(), ValueError, "outside the vocabulary"),
+    ([1.5, 2], SamplingParams(), TypeError, "string or a list of token ids"),
+    ([1] * 120, SamplingParams(max_tokens=20), ValueError, r"exceeds max_model_len \(128\)"),
+    ([1] * 128, SamplingParams(max_tokens=None), ValueError, "at most 127"),
+    ("hello", SamplingParams(), ValueError, "no tokenizer"),
+])
+def test_bad_requests_rejected(llm: LLM, prompt, params, error, match) -> None:
+    with pytest.raises(error, match=match):
+        llm.generate([prompt], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n"),
+])
+def test_bad_sampling_params(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_request_does_not_disturb_others(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("good", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(ValueError):
+        engine.add_request("bad", [1] * 200, SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("good", [1, 2], SamplingParams())
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    assert final.request_id == "good" and len(final.outputs[0].token_ids) == 8
+    alone = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == final.outputs[0].token_ids
+    assert engine.core.scheduler.kv_cache_manager.num_free_blocks == engine.core.num_blocks
+
+
+def test_abort_frees_blocks(llm: LLM) -> None:
+    engine = llm.engine
+    engine.add_request("a", list(range(1, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert engine.core.scheduler.kv_cache_manager.num_free_blocks < engine.core.num_blocks
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    engine.step()
+    assert not engine.has_unfinished_requests()
+    assert engine.core.scheduler.kv_cache_manager.num_free_blocks == engine.core.num_blocks
+
+
+def test_generate_all_or_nothing(llm: LLM) -> None:
+    """A bad prompt in a batch rejects the batch and leaves nothing behind in the engine."""
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2], []], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
