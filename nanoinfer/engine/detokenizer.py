@@ -75,7 +75,7 @@ class IncrementalDetokenizer:
         match: tuple[int, int, str] | None = None
         for stop in self.stop:
             # Text up to checked_length held no stop string, so a match must end after it.
-            index = self.output_text.find(stop, checked_length)
+            index = self.output_text.find(stop, max(0, checked_length - len(stop) + 1))
             if index != -1 and (match is None or (index, len(stop)) < match[:2]):
                 match = (index, len(stop), stop)
         if match is None:

@@ -1,0 +1,51 @@
+"""Shared bits of the benchmarks: engine flags, device description, result records."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from nanoinfer.cli import add_engine_args, engine_kwargs  # noqa: E402
+
+QWEN3_06B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanoinfer", "configs", "qwen3-0.6b.json")
+
+
+def parser(description: str, model_default: str | None = QWEN3_06B, load_format_default: str = "dummy") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    add_engine_args(p)
+    p.set_defaults(model=model_default, load_format=load_format_default)
+    p.add_argument("--json-out", default=None, help="also write the figures to this JSON file")
+    return p
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads)"
+
+
+def commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:
+        return os.environ.get("NANOINFER_COMMIT", "unknown")
+
+
+def report(name: str, figures: dict, args: argparse.Namespace) -> None:
+    record = {"bench": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device_name(),
+              "commit": commit(), "command": " ".join(sys.argv), **figures}
+    print("RESULT " + json.dumps(record))
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+__all__ = ["parser", "engine_kwargs", "report", "device_name", "QWEN3_06B"]

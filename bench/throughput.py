@@ -1,0 +1,89 @@
+"""Offline throughput on the reference workload (../shared/README.md), exactly:
+256 sequences, seed 0, prompts of 100-1024 random token ids, temperature 0.6,
+ignore_eos, max_tokens 100-1024; Qwen3-0.6B shape with dummy weights.
+
+    python bench/throughput.py [--peer hf] [engine flags]
+"""
+
+from __future__ import annotations
+
+import time
+from random import randint, seed
+
+from common import engine_kwargs, parser, report
+
+
+def workload(num_seqs: int):
+    from nanoinfer import SamplingParams
+
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in range(num_seqs)]
+    return prompts, params
+
+
+def run_nanoinfer(args) -> dict:
+    from nanoinfer import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    prompts, params = workload(args.num_seqs)
+    llm.generate(["Benchmark warm-up"] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    core = llm.engine.core
+    return {"engine": "nanoinfer", "num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": round(elapsed, 3),
+            "output_tok_per_s": round(tokens / elapsed, 1), "kv_blocks": core.num_blocks,
+            "preemptions": core.scheduler.num_preemptions}
+
+
+def run_hf_peer(args) -> dict:
+    """Hugging Face transformers' continuous batching on the first --peer-num-seqs requests of the workload."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=args.peer_attn).cuda().eval()
+    prompts, params = workload(args.num_seqs)
+    prompts, params = prompts[: args.peer_num_seqs], params[: args.peer_num_seqs]
+    gen = GenerationConfig(max_new_tokens=max(p.max_tokens for p in params), do_sample=True, temperature=0.6,
+                           eos_token_id=-1, pad_token_id=0)
+    model.generate_batch(inputs=[[1, 2, 3]], generation_config=gen, max_new_tokens=8)  # warm-up
+    start = time.perf_counter()
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        manager.add_request(p, request_id=str(i), max_new_tokens=sp.max_tokens)
+    tokens, done = 0, 0
+    while done < len(prompts):
+        result = manager.get_result(timeout=60)
+        if result is not None and result.is_finished():
+            tokens += len(result.generated_tokens)
+            done += 1
+    elapsed = time.perf_counter() - start
+    manager.stop(block=True)
+    return {"engine": f"transformers continuous batching ({args.peer_attn})", "num_seqs": len(prompts),
+            "output_tokens": tokens, "seconds": round(elapsed, 3), "output_tok_per_s": round(tokens / elapsed, 1)}
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run a peer engine in the same run")
+    p.add_argument("--peer-num-seqs", type=int, default=256, help="requests given to the peer (it is slow)")
+    p.add_argument("--peer-attn", default="paged|sdpa", help="transformers attn_implementation for the peer")
+    args = p.parse_args()
+    ours = run_nanoinfer(args)
+    figures = {"nanoinfer": ours}
+    if args.peer == "hf":
+        try:
+            figures["peer"] = run_hf_peer(args)
+        except Exception as e:  # the peer's API moves between transformers versions
+            figures["peer"] = {"engine": "transformers continuous batching", "error": f"{type(e).__name__}: {e}"}
+    report("throughput", figures, args)
+
+
+if __name__ == "__main__":
+    main()
