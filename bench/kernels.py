@@ -117,34 +117,51 @@ def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig)
     return {"batch": batch, "ctx": ctx, "splits": config.num_splits, "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
 
 
-def bench_prefill(pool: Pool, q_len: int, ctx: int) -> dict:
-    """One sequence: q_len new tokens over a ctx-token context (ctx - q_len cached)."""
+def prefill_case(pool: Pool, q_len: int, ctx: int):
+    """One sequence: q_len new tokens over a ctx-token context (ctx - q_len cached).
+    Returns (run(config) -> output, torch SDPA reference closure, causal FLOPs)."""
     blocks = triton.cdiv(ctx, BLOCK_SIZE)
     block_tables = torch.randperm(pool.num_blocks, device="cuda")[:blocks].to(torch.int32).view(1, -1)
     query = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     query_start_loc = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
     seq_lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
-    config = default_config(pool, 1, ctx, q_len)
-    ms = triton.testing.do_bench(
-        lambda: paged_attention(
+
+    def run(config: PagedAttentionConfig) -> torch.Tensor:
+        return paged_attention(
             query, pool.k_cache, pool.v_cache, query_start_loc, seq_lens, block_tables, HEAD_DIM**-0.5,
             max_query_len=q_len, config=config,
-        ),
-        warmup=25, rep=200, return_mode="median",
-    )
-    visible = sum(ctx - q_len + i + 1 for i in range(q_len))
-    flops = 4 * NUM_HEADS * HEAD_DIM * visible
-    # Yardstick: torch SDPA on contiguous tensors (flash kernel), causal over the same keys.
-    q = query.transpose(0, 1).unsqueeze(0)
-    kv = torch.randn(2, 1, NUM_KV_HEADS, ctx, HEAD_DIM, device="cuda", dtype=DTYPE)
+        )
+
+    # Yardstick and reference: torch SDPA on the same keys laid out contiguously.
+    q = query.transpose(0, 1).unsqueeze(0).contiguous()
+    k = pool.k_cache[block_tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
+    v = pool.v_cache[block_tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
     mask = None if q_len == ctx else torch.ones(q_len, ctx, device="cuda", dtype=torch.bool).tril(ctx - q_len)
-    sdpa_ms = triton.testing.do_bench(
-        lambda: torch.nn.functional.scaled_dot_product_attention(
-            q, kv[0], kv[1], attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        ),
-        warmup=25, rep=200, return_mode="median",
-    )
-    return {"q_len": q_len, "ctx": ctx, "block_m": config.block_m, "us": ms * 1e3, "tflops": flops / ms / 1e9, "sdpa_us": sdpa_ms * 1e3}
+
+    def sdpa() -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+    visible = sum(ctx - q_len + i + 1 for i in range(q_len))
+    return run, sdpa, 4 * NUM_HEADS * HEAD_DIM * visible
+
+
+def bench_prefill(pool: Pool, q_len: int, ctx: int, configs: list[PagedAttentionConfig]) -> list[dict]:
+    run, sdpa, flops = prefill_case(pool, q_len, ctx)
+    ref = sdpa().float()
+    sdpa_ms = triton.testing.do_bench(sdpa, warmup=25, rep=100, return_mode="median")
+    rows = []
+    for config in configs:
+        row = {"q_len": q_len, "ctx": ctx, "sdpa_us": sdpa_ms * 1e3, **dataclasses.asdict(config)}
+        try:
+            out = run(config).float()
+            row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
+            ms = triton.testing.do_bench(lambda: run(config), warmup=25, rep=100, return_mode="median")
+            row.update(us=ms * 1e3, tflops=flops / ms / 1e9)
+        except Exception as exc:  # out of shared memory etc.: record and go on
+            row["error"] = type(exc).__name__
+        rows.append(row)
+    return rows
 
 
 def bench_kv_write(pool: Pool, num_tokens: int) -> dict:
@@ -153,6 +170,62 @@ def bench_kv_write(pool: Pool, num_tokens: int) -> dict:
     ms = triton.testing.do_bench(lambda: write_kv(key, value, pool.k_cache, pool.v_cache, slots), warmup=25, rep=200, return_mode="median")
     nbytes = 2 * 2 * key.numel() * ELEM + slots.numel() * 8
     return {"tokens": num_tokens, "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
+
+
+def sweep_decode_configs(pool: Pool) -> list[dict]:
+    """Tile shapes for decode (no split) on shapes with enough programs to fill the GPU."""
+    rows = []
+    for batch, ctx in [(256, 2000), (64, 1000), (32, 500)]:
+        base = default_config(pool, batch, ctx)
+        for block_n in (64, 128):
+            for num_warps in (2, 4):
+                cfg = dataclasses.replace(base, block_n=block_n, num_warps=num_warps, num_stages=3, num_splits=1)
+                rows.append({**bench_decode(pool, batch, ctx, cfg), "block_n": block_n, "num_warps": num_warps})
+    print("\ndecode config sweep (us per call, no split, 3 stages):")
+    for r in rows:
+        print(f"  b{r['batch']} ctx{r['ctx']} N{r['block_n']} w{r['num_warps']}: {r['us']:.1f}")
+    return rows
+
+
+def sweep_splits(pool: Pool) -> list[dict]:
+    """Split counts where sequences x KV heads leave SMs idle, against the heuristic."""
+    rows = []
+    for batch in (1, 4, 8, 16, 32, 64):
+        for ctx in (100, 500, 2000):
+            base = default_config(pool, batch, ctx)
+            row = {"batch": batch, "ctx": ctx, "heuristic": base.num_splits}
+            for splits in (1, 2, 4, 8, 16, 32):
+                row[splits] = bench_decode(pool, batch, ctx, dataclasses.replace(base, num_splits=splits))["us"]
+            rows.append(row)
+    print("\nsplit sweep (us per call; * = heuristic):")
+    print("  batch  ctx " + "".join(f"{s:>9}" for s in (1, 2, 4, 8, 16, 32)))
+    for row in rows:
+        cells = "".join(f"{row[s]:>8.1f}{'*' if s == row['heuristic'] else ' '}" for s in (1, 2, 4, 8, 16, 32))
+        print(f"  {row['batch']:>5} {row['ctx']:>4} {cells}")
+    return rows
+
+
+def sweep_prefill(pool: Pool) -> list[dict]:
+    rows = []
+    for q_len, ctx in [(2048, 2048), (512, 2048), (8192, 8192)]:
+        base = default_config(pool, 1, ctx, q_len)
+        configs = []
+        for block_m in (64, 128):
+            for block_n in (32, 64, 128):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3):
+                        configs.append(dataclasses.replace(
+                            base, block_m=block_m, block_q=block_m // (NUM_HEADS // NUM_KV_HEADS),
+                            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                        ))
+        rows += bench_prefill(pool, q_len, ctx, configs)
+    print("\nprefill config sweep (best 6 per shape; us, TFLOP/s, rel err vs sdpa):")
+    for q_len, ctx in [(2048, 2048), (512, 2048), (8192, 8192)]:
+        ok = sorted((r for r in rows if (r["q_len"], r["ctx"]) == (q_len, ctx) and "us" in r), key=lambda r: r["us"])
+        bad = [r for r in rows if (r["q_len"], r["ctx"]) == (q_len, ctx) and r.get("rel_err", 0.0) > 1e-2]
+        cells = ", ".join(f"M{r['block_m']}/N{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}={r['us']:.0f}/{r['tflops']:.0f}/{r['rel_err']:.0e}" for r in ok[:6])
+        print(f"  q{q_len} ctx{ctx}: {cells}  (inaccurate configs: {len(bad)})")
+    return rows
 
 
 def main() -> None:
@@ -166,49 +239,17 @@ def main() -> None:
     results["copy_gbps"] = copy_bw / 1e9
     pool = Pool()
     print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB")
-
     if not args.quick:
-        # Decode tile shape sweep (no split) on shapes with enough programs to fill the GPU.
-        sweep = []
-        for batch, ctx in [(256, 2000), (64, 1000), (32, 500)]:
-            base = default_config(pool, batch, ctx)
-            for block_n in (32, 64, 128):
-                for num_warps in (2, 4, 8):
-                    for num_stages in (2, 3, 4):
-                        cfg = dataclasses.replace(base, block_n=block_n, num_warps=num_warps, num_stages=num_stages, num_splits=1)
-                        try:
-                            row = bench_decode(pool, batch, ctx, cfg)
-                        except Exception as exc:  # out of shared memory etc.: record and go on
-                            row = {"batch": batch, "ctx": ctx, "error": type(exc).__name__}
-                        sweep.append({**row, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages})
-        results["config_sweep"] = sweep
-        print("\nconfig sweep (us per call, no split):")
-        for batch, ctx in [(256, 2000), (64, 1000), (32, 500)]:
-            rows = sorted((r for r in sweep if r["batch"] == batch and r["ctx"] == ctx and "us" in r), key=lambda r: r["us"])
-            best = ", ".join(f"N{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}={r['us']:.1f}" for r in rows[:6])
-            print(f"  b{batch} ctx{ctx}: {best}")
+        results["decode_config_sweep"] = sweep_decode_configs(pool)
+        results["split_sweep"] = sweep_splits(pool)
+        results["prefill_sweep"] = sweep_prefill(pool)
 
-        # Split-count sweep where sequences x KV heads leave SMs idle.
-        splits_rows = []
-        for batch in (1, 4, 8, 16, 32, 64):
-            for ctx in (500, 2000):
-                base = default_config(pool, batch, ctx)
-                row = {"batch": batch, "ctx": ctx, "heuristic": base.num_splits}
-                for splits in (1, 2, 4, 8, 16, 32):
-                    row[splits] = bench_decode(pool, batch, ctx, dataclasses.replace(base, num_splits=splits))["us"]
-                splits_rows.append(row)
-        results["split_sweep"] = splits_rows
-        print("\nsplit sweep (us per call; * = heuristic):")
-        print("  batch  ctx " + "".join(f"{s:>9}" for s in (1, 2, 4, 8, 16, 32)))
-        for row in splits_rows:
-            cells = "".join(f"{row[s]:>8.1f}{'*' if s == row['heuristic'] else ' '}" for s in (1, 2, 4, 8, 16, 32))
-            print(f"  {row['batch']:>5} {row['ctx']:>4} {cells}")
-
-    prefill = [bench_prefill(pool, q, c) for q, c in [(2048, 2048), (512, 2048), (8192, 8192)]]
+    prefill = [
+        bench_prefill(pool, q, c, [default_config(pool, 1, c, q)])[0] for q, c in [(2048, 2048), (512, 2048), (8192, 8192)]
+    ]
     results["prefill"] = prefill
     kv_writes = [bench_kv_write(pool, n) for n in (256, 8192)]
     results["kv_write"] = kv_writes
-
     decode = []
     for batch in (1, 4, 16, 64, 256):
         for ctx in (100, 500, 1000, 2000):
@@ -217,9 +258,12 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 
-    print("\nprefill (one sequence, bf16):")
+    print("\nprefill, default config (one sequence, bf16):")
     for r in prefill:
-        print(f"  q {r['q_len']:>5} ctx {r['ctx']:>5} block_m {r['block_m']}: {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s  (torch sdpa {r['sdpa_us']:.1f} us)")
+        print(
+            f"  q {r['q_len']:>5} ctx {r['ctx']:>5} M{r['block_m']}/N{r['block_n']}: {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s"
+            f"  rel err {r['rel_err']:.1e}  (torch sdpa {r['sdpa_us']:.1f} us)"
+        )
     print("kv_write:", ", ".join(f"{r['tokens']} tokens {r['us']:.1f} us {r['gbps']:.0f} GB/s" for r in kv_writes))
     print(f"\ndecode attention, default config, per call (CUDA graph); copy rate {copy_bw / 1e9:.0f} GB/s")
     print("  batch   ctx splits       us    MB read     GB/s  % copy")

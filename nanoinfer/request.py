@@ -59,6 +59,8 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # Tokens scheduled for sampling whose value has not come back yet (async scheduling).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
         self.num_preemptions = 0
         self.block_size = block_size

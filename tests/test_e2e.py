@@ -131,3 +131,21 @@ def test_seeded_sampling_reproducible_across_batches(tiny_models) -> None:
     batched = llm.generate([[1, 2, 3]] + others, [params, SamplingParams(temperature=1.0, max_tokens=16)] * 1
                            + [SamplingParams(temperature=1.0, max_tokens=16)], use_tqdm=False)
     assert batched[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_and_sync_scheduling_agree_under_preemption(tiny_models, tiny_reference, async_scheduling) -> None:
+    llm = LLM(tiny_models["llama"], num_kv_blocks=24, block_size=4, max_num_batched_tokens=9,
+              async_scheduling=async_scheduling)
+    assert _tokens(llm) == tiny_reference
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert not llm.engine.core.has_unfinished_requests()
+
+
+def test_seeded_penalised_sampling_same_sync_and_async(tiny_models) -> None:
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=20, presence_penalty=0.5, min_tokens=5)
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, async_scheduling=async_scheduling)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(_tiny_prompts(), params, use_tqdm=False)])
+    assert outs[0] == outs[1]

@@ -144,8 +144,10 @@ def test_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads):
 @kernel_test
 def test_small_query_tiles_span_several_tiles_per_sequence():
     """block_q below the query lengths: sequences own several tiles and the
-    program -> (sequence, tile) search has to land every tile."""
-    query, k_cache, v_cache, md = make_batch([7, 1, 20, 3], [40, 9, 20, 16], 4, 2, 64, torch.float32)
+    program -> (sequence, tile) search has to land every tile. The last
+    sequence's first row sees 15 keys, one short of a block_n step: the
+    unmasked/masked boundary must not round it up."""
+    query, k_cache, v_cache, md = make_batch([7, 1, 20, 3], [40, 9, 20, 17], 4, 2, 64, torch.float32)
     out = run_kernel(query, k_cache, v_cache, md, 0.1, block_q=4, block_m=16, block_n=16)
     assert rel_err(out, reference(query, k_cache, v_cache, md, 0.1), 31) < REL_TOL[torch.float32]
 
@@ -216,10 +218,12 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
         )
 
     one_long = config(1, 2000)
-    assert one_long.decode and one_long.num_splits == 8  # 2000 // 128 = 15 -> power of two below
+    assert one_long.decode and one_long.num_splits == 32
+    assert config(1, 500).num_splits == 8  # one BLOCK_N (64) step per split at least
+    assert config(1, 64).num_splits == 1  # a single step: nothing to split
+    assert config(16, 2000).num_splits == 4  # 128 programs: 4 * 132 // 128
+    assert config(64, 2000).num_splits == 1  # 512 programs already fill the GPU
     assert config(1, 100_000).num_splits == 32
-    assert config(1, 100).num_splits == 1  # too short to be worth a merge
-    assert config(256, 2000).num_splits == 1
     prefill = config(4, 2000, max_query_len=300)
     assert not prefill.decode and prefill.num_splits == 1
     assert prefill.block_q * 2 <= prefill.block_m <= 128

@@ -1,10 +1,25 @@
 """Tensor-parallel group state. With no process group initialised every helper
-acts as a single rank, so the same model code runs with and without TP."""
+acts as a single rank, so the same model code runs with and without TP.
+
+A TP run has two groups over the same ranks: the default group carries the
+model's collectives (NCCL for CUDA tensors, gloo for CPU tensors) with a
+bounded timeout, so a dead or stuck rank fails a step instead of hanging it;
+the control group (gloo, CPU only) carries rank 0's step messages, on which
+workers may wait for as long as the engine sits idle.
+"""
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+CONTROL_TIMEOUT = timedelta(days=365)
+
+_control_group: dist.ProcessGroup | None = None
 
 
 def tp_world_size() -> int:
@@ -13,6 +28,55 @@ def tp_world_size() -> int:
 
 def tp_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def init_tensor_parallel(rank: int, world_size: int, local_rank: int, store: dist.Store | None = None) -> None:
+    """Join the TP group: through `store` (one host, spawned workers) or the standard env:// rendezvous
+    (MASTER_ADDR, MASTER_PORT; several hosts). On a GPU host each rank uses GPU `local_rank` and CUDA
+    tensors go through NCCL; CPU tensors (and CPU-only runs) go through gloo."""
+    global _control_group
+    backend = "gloo"
+    if local_rank < torch.cuda.device_count():
+        # NVLink SHARP (multicast) stays off: it is not needed for TP all-reduces and not every machine allows it.
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, init_method=None if store is not None else "env://", store=store,
+                            rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def split_cpu_threads(world_size: int) -> int:
+    """Give this rank its share of the host's cores for a CPU run and return the previous thread count.
+    Ranks that each use every core spin against one another between the many small collectives
+    (about 20x slower on 2 cores)."""
+    previous = torch.get_num_threads()
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+    return previous
+
+
+def destroy_tensor_parallel() -> None:
+    global _control_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control_group = None
+
+
+def control_group() -> dist.ProcessGroup:
+    if _control_group is None:
+        raise RuntimeError("the tensor-parallel group is not initialised (init_tensor_parallel was not called)")
+    return _control_group
+
+
+def tp_min(value: int) -> int:
+    """The smallest `value` over ranks, on the control group (ranks may reach this at quite different
+    times, e.g. after loading weights): each rank's KV-block budget -> the one every rank can hold."""
+    if tp_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group())
+    return int(t.item())
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -53,15 +53,29 @@ class EngineCore:
         hf_config = self.source.hf_config
         self.max_model_len = self.source.max_model_len
         self.device, self.dtype = resolve_device_and_dtype(config, hf_config)
+        # TP: this process is rank 0; the driver starts the workers, which then mirror the lines below
+        # (nanoinfer/distributed/worker.py: build_worker_runner).
+        self.tp_driver = None
+        if config.tensor_parallel_size > 1:
+            from nanoinfer.distributed.driver import TensorParallelDriver
+
+            self.tp_driver = TensorParallelDriver(config, hf_config, self.device)
         self.runner = ModelRunner(config, hf_config, self.source.model_path, self.device, self.dtype,
-                                  self.source.eos_token_ids)
+                                  self.source.eos_token_ids, config.tensor_parallel_size)
         self.num_blocks = self.runner.num_kv_blocks_for_budget()
+        if self.tp_driver is not None:
+            self.num_blocks = self.tp_driver.attach(self.runner, self.num_blocks)
         self.runner.initialize_kv_cache(self.num_blocks)
+        self.runner.capture_cuda_graphs(self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * self.runner.kv_block_bytes / 2**30, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len)
         self.debug_checks = os.environ.get("NANOINFER_DEBUG_CHECKS", "0") == "1"
+        # Overlap host work with the device: plan step N+1 while step N runs. TP workers
+        # need each step's tokens on the host first, so TP runs synchronously.
+        self.async_scheduling = config.async_scheduling and self.tp_driver is None
+        self.in_flight = None
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -75,15 +89,24 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self.in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch a step. With async scheduling the outputs returned
+        are the previous step's: its tokens are read back while this one runs."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        outputs = self.scheduler.update_from_output(runner_output)
+        future = (self.tp_driver or self.runner).execute_model(scheduler_output)
+        if self.async_scheduling:
+            future, self.in_flight = self.in_flight, future
+        outputs = self.scheduler.update_from_output(future.result()) if future is not None else []
         if self.debug_checks:
             self.scheduler.check_invariants()
         return outputs
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done when the core is garbage collected or at exit)."""
+        if self.tp_driver is not None:
+            self.tp_driver.close()
 
     def stats(self) -> SchedulerStats:
         kv = self.scheduler.kv_cache_manager

@@ -52,7 +52,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, num_output_tokens = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step(final_only=True):
                 if out.finished:
                     results[out.request_id] = out
                     num_output_tokens += sum(len(c.token_ids) for c in out.outputs)

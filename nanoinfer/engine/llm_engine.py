@@ -67,9 +67,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the requests that got new tokens (or finished)."""
-        outputs, stopped = self.output_processor.process_outputs(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step; return the requests that got new tokens (only the
+        finished ones if `final_only`)."""
+        outputs, stopped = self.output_processor.process_outputs(self.core.step(), final_only)
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -62,9 +62,11 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the updated requests' outputs and the child ids a stop string
-        finished (the caller must stop them in the core)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the updated requests' outputs (only finished ones if `final_only`:
+        building an output copies its tokens, which offline generation need not
+        pay every step) and the child ids a stop string finished (the caller must
+        stop them in the core)."""
         touched: dict[str, ParentState] = {}
         stopped: list[str] = []
         for out in outputs:
@@ -86,7 +88,7 @@ class OutputProcessor:
                     child.finish_reason, child.stop_reason = "stop", stop_str
                     stopped.append(out.request_id)
             touched[parent_id] = parent
-        return [self._make_output(p) for p in touched.values()], stopped
+        return [self._make_output(p) for p in touched.values() if not final_only or p.finished], stopped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished child aborted; returns the final output."""

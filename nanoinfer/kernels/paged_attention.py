@@ -40,17 +40,18 @@ class PagedAttentionConfig:
     num_stages: int
 
 
-# Decode splits the context only while sequences x KV heads leave SMs idle,
-# and never into pieces shorter than this many tokens.
-_SPLIT_TARGET_PROGRAMS_PER_SM = 2
-_MIN_TOKENS_PER_SPLIT = 128
+# Decode splits the context while sequences x KV heads leave the SMs short of
+# about 4 resident programs each, into pieces of at least one BLOCK_N step.
+# Tile shapes and both constants come from bench/kernels.py sweeps on an H200.
+_SPLIT_TARGET_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 32
+_DECODE_BLOCK_N = 64
 
 
 def _decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Power of two (few compiled variants, stable CUDA-graph buckets)."""
-    wanted = -(-_SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // max(num_programs, 1))
-    splits = max(1, min(wanted, max_seq_len // _MIN_TOKENS_PER_SPLIT, _MAX_SPLITS))
+    wanted = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
+    splits = max(1, min(wanted, triton.cdiv(max_seq_len, _DECODE_BLOCK_N), _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
 
@@ -71,9 +72,9 @@ def choose_config(
             decode=True,
             block_q=1,
             block_m=max(16, triton.next_power_of_2(group)),
-            block_n=64,
+            block_n=_DECODE_BLOCK_N,
             num_splits=_decode_num_splits(num_seqs * num_kv_heads, max_seq_len, num_sms),
-            num_warps=4,
+            num_warps=2,
             num_stages=3,
         )
     tile_rows = 64 if dtype == torch.float32 else 128
@@ -105,6 +106,60 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
         lo = tl.where(starts_before, mid, lo)
         hi = tl.where(starts_before, hi, mid - 1)
     return lo
+
+
+@triton.jit
+def _attend(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row,
+    head_offset,
+    stride_cb,
+    stride_cs,
+    scale_log2,
+    start,
+    stop,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update over context positions [start, stop), BLOCK_N at a
+    time, K/V gathered through the block table. MASKED applies the causal mask
+    and the range end; without it every position must be visible to every row."""
+    dims = tl.arange(0, HEAD_DIM)
+    for n0 in range(start, stop, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            in_range = pos < stop
+            block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        else:
+            block = tl.load(block_table_row + pos // BLOCK_SIZE).to(tl.int64)
+        kv_offset = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=in_range[None, :], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None])
+        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            qk = tl.where((pos[None, :] <= q_pos[:, None]) & in_range[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
+        else:
+            v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -175,28 +230,24 @@ def _paged_attention_kernel(
     kv_start = split * split_len
     kv_stop = tl.minimum(kv_start + split_len, kv_end)
 
+    # Steps that every row sees whole run without masks; only the causal
+    # diagonal and the ragged end of the range pay for masking.
+    first_row_end = seq_len - q_len + first_tok + 1
+    unmasked_len = tl.maximum(tl.minimum(first_row_end, kv_stop) - kv_start, 0) // BLOCK_N * BLOCK_N
     # A finite floor (not -inf) keeps fully masked rows free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq * stride_bt
     head_offset = kv_head * stride_ch
-    for start in range(kv_start, kv_stop, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        in_range = pos < kv_stop
-        block = tl.load(block_table_row + pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        kv_offset = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
-        k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=in_range[None, :], other=0.0)
-        qk = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale_log2
-        visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_offset[:, None] + dims[None, :], mask=in_range[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, stride_cb, stride_cs,
+        scale_log2, kv_start, kv_start + unmasked_len, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+    )
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, stride_cb, stride_cs,
+        scale_log2, kv_start + unmasked_len, kv_stop, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+    )
 
     has_keys = l_i > 0.0  # false only for an empty split or a zero-length context
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -4,13 +4,16 @@ and tests without a checkpoint).
 
 Loading streams one checkpoint tensor at a time; each parameter's
 `weight_loader` copies only this rank's shard into place, so with tensor
-parallelism no rank holds the full model. Every name is checked before
-anything is read: a missing or unexpected weight fails fast, naming it.
+parallelism no rank holds the full model. Dummy weights take the same path
+with generated checkpoint tensors, so every TP size sees the same model.
+Every name is checked before anything is read: a missing or unexpected
+weight fails fast, naming it.
 """
 
 from __future__ import annotations
 
 import json
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -98,40 +101,66 @@ def _is_ignored(name: str, hf_config: Any) -> bool:
     return name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False)
 
 
+def _match_names(model: nn.Module, found: set[str], source: str) -> dict[str, tuple[nn.Parameter, Any]]:
+    """The load targets, once the checkpoint's names are known to be exactly the model's."""
+    targets = _checkpoint_targets(model)
+    missing, unexpected = sorted(targets.keys() - found), sorted(found - targets.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match {type(model).__name__}: "
+            f"missing weights {missing}, unexpected weights {unexpected}"
+        )
+    return targets
+
+
+def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded: torch.Tensor) -> None:
+    """Copy this rank's shard of the full checkpoint tensor `name` into its parameter."""
+    param, shard_id = targets[name]
+    weight_loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        weight_loader(param, loaded, shard_id)
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"cannot load checkpoint tensor {name!r} of shape {tuple(loaded.shape)} "
+            f"into a parameter of shape {tuple(param.shape)}: {e}"
+        ) from e
+
+
 def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any) -> None:
     files = _safetensors_files(folder)
     names_by_file: dict[Path, list[str]] = {}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names_by_file[file] = [n for n in f.keys() if not _is_ignored(n, hf_config)]
-    targets = _checkpoint_targets(model)
     found = {n for names in names_by_file.values() for n in names}
-    missing, unexpected = sorted(targets.keys() - found), sorted(found - targets.keys())
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint in {str(folder)!r} does not match {type(model).__name__}: "
-            f"missing weights {missing}, unexpected weights {unexpected}"
-        )
+    targets = _match_names(model, found, f"checkpoint in {str(folder)!r}")
     for file, names in names_by_file.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in names:
-                param, shard_id = targets[name]
-                loaded = f.get_tensor(name)
-                weight_loader = getattr(param, "weight_loader", default_weight_loader)
-                try:
-                    weight_loader(param, loaded, shard_id)
-                except (ValueError, RuntimeError) as e:
-                    raise ValueError(
-                        f"cannot load checkpoint tensor {name!r} of shape {tuple(loaded.shape)} "
-                        f"into a parameter of shape {tuple(param.shape)}: {e}"
-                    ) from e
+                _load_tensor(targets, name, f.get_tensor(name))
 
 
-def _fill_dummy(model: nn.Module, device: torch.device, seed: int = DUMMY_SEED) -> None:
-    """Uniform values in ±DUMMY_RANGE, reproducible for a seed and device; no file is read."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for param in model.parameters():
-        param.data.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator)
+def _checkpoint_shapes(hf_config: Any) -> dict[str, torch.Size]:
+    """Name -> full shape of each tensor a checkpoint of this model holds, read off transformers' own
+    model built on the meta device (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    return {name: t.shape for name, t in reference.state_dict().items() if not _is_ignored(name, hf_config)}
+
+
+def _fill_dummy(model: nn.Module, hf_config: Any, device: torch.device, seed: int = DUMMY_SEED) -> None:
+    """Uniform values in ±DUMMY_RANGE; no file is read. Each full checkpoint tensor comes from a generator
+    seeded by `seed` and its name, then is sharded like a real one: the same model for every TP size
+    (reproducible per device type and dtype)."""
+    shapes = _checkpoint_shapes(hf_config)
+    targets = _match_names(model, set(shapes), f"dummy weights for {getattr(hf_config, 'architectures', None)}")
+    generator = torch.Generator(device=device)
+    for name, shape in shapes.items():
+        generator.manual_seed(seed + zlib.crc32(name.encode()))
+        full = torch.empty(shape, dtype=targets[name][0].dtype, device=device)
+        _load_tensor(targets, name, full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator))
 
 
 @contextmanager
@@ -166,7 +195,7 @@ def load_model(
     with torch.device(device), _default_dtype(dtype):
         model = model_class(hf_config)
     if folder is None:
-        _fill_dummy(model, torch.device(device))
+        _fill_dummy(model, hf_config, torch.device(device))
     else:
         _load_safetensors(model, folder, hf_config)
     return model.eval()

@@ -14,8 +14,10 @@ import torch
 from nanoinfer.attention.backend import get_attention_backend
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
+from nanoinfer.distributed.parallel_state import tp_rank
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.loader.weights import load_model
+from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.outputs import ModelRunnerOutput, TokenLogprobs
 from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -44,6 +46,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_cache: torch.Tensor | None = None
+        self.cuda_graphs: CUDAGraphRunner | None = None
+        # The latest step's sampled tokens, still on the device, and each request's row in it.
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[str, int] = {}
+        self.last_future: RunnerFuture | None = None
 
     # ----- KV cache -----
 
@@ -102,6 +109,14 @@ class ModelRunner:
                                     self.head_dim, dtype=self.dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn_backend)
 
+    def capture_cuda_graphs(self, max_model_len: int) -> None:
+        """Decode steps replay graphs on CUDA with the Triton backend, unless enforce_eager."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.attn_backend.name != "triton":
+            return
+        self.cuda_graphs = CUDAGraphRunner(self.model, self.hf_config.hidden_size, self.dtype, self.device,
+                                           self.config.max_num_seqs, max_model_len, self.block_size)
+        self.cuda_graphs.capture()
+
     # ----- one step -----
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -125,7 +140,12 @@ class ModelRunner:
         # positions[t] = start of its request + offset within the request's chunk
         offsets = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1], counts)
         positions = np.repeat(starts, counts) + offsets
-        input_ids = np.concatenate([np.asarray(s.token_ids[b:e], dtype=np.int64)
+        # A request whose newest token is still on the GPU (async scheduling) takes
+        # it from the previous step's sampled tensor: remember where it goes.
+        pending = [(int(query_start_loc[i + 1]) - 1, self.prev_rows[s.req_id])
+                   for i, s in enumerate(states) if seq_lens[i] > len(s.token_ids)]
+        input_ids = np.concatenate([np.asarray(s.token_ids[b:e] + [0] * (e - len(s.token_ids)), dtype=np.int64)
+                                    if e > len(s.token_ids) else np.asarray(s.token_ids[b:e], dtype=np.int64)
                                     for s, b, e in zip(states, starts.tolist(), seq_lens.tolist())])
         max_blocks = max(len(s.block_ids) for s in states)
         block_tables = np.zeros((len(states), max_blocks), dtype=np.int32)
@@ -134,50 +154,86 @@ class ModelRunner:
         row = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
-        # Requests whose known tokens are now all computed get a sampled token.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        # Requests whose known (or in-flight) tokens are now all computed get a sampled token.
+        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
-        to = lambda a, dtype: torch.from_numpy(a).to(self.device, dtype, non_blocking=True)  # noqa: E731
         metadata = AttentionMetadata(
-            slot_mapping=to(slot_mapping, torch.long),
-            query_start_loc=to(query_start_loc, torch.int32),
-            seq_lens=to(seq_lens, torch.int32),
-            block_tables=to(block_tables, torch.int32),
+            slot_mapping=self._to_device(slot_mapping, torch.long),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(block_tables, torch.int32),
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        return (to(input_ids, torch.long), to(positions, torch.long), metadata,
-                to(logits_indices, torch.long), [states[i] for i in sample_rows])
+        input_ids_gpu = self._to_device(input_ids, torch.long)
+        if pending:
+            dst, src = zip(*pending)
+            input_ids_gpu[list(dst)] = self.prev_sampled[list(src)]
+        sample_states = [states[i] for i in sample_rows]
+        output_index = [int(seq_lens[i]) - s.prompt_len for i, s in zip(sample_rows, sample_states)]
+        return (input_ids_gpu, self._to_device(positions, torch.long), metadata,
+                self._to_device(logits_indices, torch.long), sample_states, output_index)
+
+    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()  # so the copy really is asynchronous
+        return tensor.to(self.device, dtype, non_blocking=True)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> "RunnerFuture | None":
+        """Launch one step. The sampled tokens come back through the returned
+        future, so the caller can plan the next step while the GPU works."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput([], [], [])
-        input_ids, positions, metadata, logits_indices, sample_states = self._prepare_inputs(scheduler_output)
-        with set_forward_context(metadata):
-            hidden = self.model(input_ids, positions)
+            return None
+        if self.last_future is not None and any(
+                self.requests[r].needs_history and r in self.prev_rows for r in scheduler_output.num_scheduled_tokens):
+            self.last_future.result()  # penalties / min_tokens need the newest token on the host
+        input_ids, positions, metadata, logits_indices, sample_states, output_index = \
+            self._prepare_inputs(scheduler_output)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, metadata)
+        else:
+            with set_forward_context(metadata):
+                hidden = self.model(input_ids, positions)
         if not sample_states:
-            return ModelRunnerOutput([], [], [])
+            self.last_future = None
+            return RunnerFuture(self, [], None, None)
         logits = self.model.compute_logits(hidden[logits_indices])
+        if tp_rank() != 0:  # TP workers: rank 0 samples and sends the tokens (add_sampled_tokens)
+            return None
         sampling_metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in sample_states],
             prompt_token_ids=[s.token_ids[: s.prompt_len] for s in sample_states],
             output_token_ids=[s.token_ids[s.prompt_len :] for s in sample_states],
-            generators=[s.seeded_generator() for s in sample_states],
+            generators=[s.seeded_generator(i) for s, i in zip(sample_states, output_index)],
             stop_token_ids=[self._min_tokens_stop_ids(s) for s in sample_states],
             vocab_size=self.vocab_size,
             device=self.device,
         )
         sampled = self.sampler(logits, sampling_metadata)
-        token_ids = sampled.sampled_token_ids.tolist()
-        for state, token_id in zip(sample_states, token_ids):
-            state.token_ids.append(token_id)
-        return ModelRunnerOutput([s.req_id for s in sample_states], token_ids,
-                                 self._logprobs_to_lists(sampled, sample_states))
+        self.prev_sampled = sampled.sampled_token_ids
+        self.prev_rows = {s.req_id: i for i, s in enumerate(sample_states)}
+        self.last_future = RunnerFuture(self, sample_states, sampled, self._copy_to_host(sampled.sampled_token_ids))
+        return self.last_future
+
+    def _copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if self.device.type != "cuda":
+            return tensor, None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def add_sampled_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """TP workers: append the tokens rank 0 sampled, so every rank keeps the same token lists."""
+        for req_id, token_id in zip(req_ids, token_ids):
+            self.requests[req_id].token_ids.append(token_id)
 
     def _min_tokens_stop_ids(self, state: CachedRequestState) -> set[int]:
         params = state.sampling_params
@@ -197,3 +253,27 @@ class ModelRunner:
             result.append(None if n is None else
                           TokenLogprobs(ids[i][0], values[i][0], ranks[i], ids[i][1 : 1 + n], values[i][1 : 1 + n]))
         return result
+
+
+class RunnerFuture:
+    """The sampled tokens of one launched step; `result()` waits for them (once)."""
+
+    def __init__(self, runner: ModelRunner, states: list[CachedRequestState], sampled: SamplerOutput | None,
+                 host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None) -> None:
+        self.runner, self.states, self.sampled, self.host_copy = runner, states, sampled, host_copy
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            if not self.states:
+                self._output = ModelRunnerOutput([], [], [])
+                return self._output
+            host, event = self.host_copy
+            if event is not None:
+                event.synchronize()
+            token_ids = host.tolist()
+            for state, token_id in zip(self.states, token_ids):
+                state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
+            self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
+                                             self.runner._logprobs_to_lists(self.sampled, self.states))
+        return self._output

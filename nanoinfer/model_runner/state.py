@@ -29,11 +29,16 @@ class CachedRequestState:
         return cls(new.req_id, list(new.all_token_ids), new.prompt_len, new.sampling_params, list(new.block_ids),
                    new.num_computed_tokens, generator)
 
-    def seeded_generator(self) -> torch.Generator | None:
+    def seeded_generator(self, output_index: int) -> torch.Generator | None:
         """Seeded sampling depends only on (seed, output position): reproducible
-        whatever the batch, and after a preemption too."""
+        whatever the batch, after a preemption, and with async scheduling."""
         if self.generator is None:
             return None
-        num_outputs = len(self.token_ids) - self.prompt_len
-        self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + num_outputs) % (1 << 63))
+        self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + output_index) % (1 << 63))
         return self.generator
+
+    @property
+    def needs_history(self) -> bool:
+        """Penalties and min_tokens look at every output token, so its newest must be on the host."""
+        p = self.sampling_params
+        return p.min_tokens > 0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1

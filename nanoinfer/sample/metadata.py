@@ -9,6 +9,7 @@ without logprobs).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +123,8 @@ def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tens
     """Right-pad token lists with `pad_id` (one past the vocabulary) into one tensor."""
     padded = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.int64)
     for i, row in enumerate(rows):
-        padded[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        if row:  # array() converts a list in C: about twice as fast as torch.tensor(list)
+            padded[i, : len(row)] = torch.frombuffer(array("q", row), dtype=torch.int64)
     return padded.to(device)
 
 

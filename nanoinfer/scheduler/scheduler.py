@@ -110,10 +110,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # its next token is still being sampled (async scheduling)
-                index += 1
+            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                index += 1  # its last token is in flight: nothing more to compute
                 continue
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
             while True:
                 new_blocks = kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -159,9 +159,14 @@ class Scheduler:
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
 
-        # Tokens count as computed once scheduled: the next step may be planned before this one returns.
+        # Tokens count as computed once scheduled, and a request that reaches its end
+        # gets a placeholder for the token being sampled, so the next step can be
+        # planned (feeding that token straight from the GPU) before this one returns.
         for request in self.running:
-            request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+            num_scheduled = out.num_scheduled_tokens.get(request.request_id, 0)
+            request.num_computed_tokens += num_scheduled
+            if num_scheduled and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
 
@@ -176,6 +181,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(request.request_id)  # the runner forgets it; it comes back as new
@@ -188,6 +194,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while its step ran
+            request.num_output_placeholders -= 1
             request.append_output_token_ids([token_id])
             finished = request.check_stop(self.max_model_len)
             results.append(

@@ -1,0 +1,218 @@
+"""Rank 0's side of tensor parallelism.
+
+The engine process is rank 0: it owns the scheduler and its own model shard.
+The driver starts the other ranks (spawned on this host, or joined through the
+env rendezvous when they were launched on several hosts), sends each step's
+SchedulerOutput delta to them before running the step itself, and turns a
+dead worker into a clear error instead of a hang. Tokens are sampled on rank 0
+only; the workers learn them with the next step's message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing.connection
+import os
+import signal
+import time
+import weakref
+from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from nanoinfer.distributed.channel import BroadcastChannel
+from nanoinfer.distributed.parallel_state import (
+    COLLECTIVE_TIMEOUT,
+    control_group,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    split_cpu_threads,
+    tp_min,
+)
+from nanoinfer.distributed.worker import LOCAL_HOST, StepMessage, ready_key, spawned_worker
+from nanoinfer.outputs import ModelRunnerOutput
+from nanoinfer.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from nanoinfer.config import EngineConfig
+    from nanoinfer.model_runner.model_runner import ModelRunner, RunnerFuture
+
+JOIN_TIMEOUT_S = 10.0
+# A worker's connection drops a moment before the process can be reaped: how long to wait for that.
+DEATH_GRACE_S = 2.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot continue."""
+
+
+def check_tensor_parallel_size(hf_config: Any, tp_size: int) -> None:
+    """Fail before any process starts when the model cannot be split `tp_size` ways: every rank needs
+    whole query and KV heads (GQA groups stay on one rank) and an equal slice of the MLP."""
+    sizes = {
+        "num_attention_heads": hf_config.num_attention_heads,
+        "num_key_value_heads": getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        "intermediate_size": hf_config.intermediate_size,
+    }
+    bad = {name: value for name, value in sizes.items() if value % tp_size}
+    if bad:
+        valid = [s for s in range(1, min(sizes.values()) + 1) if all(v % s == 0 for v in sizes.values())]
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide this model's "
+            f"{', '.join(f'{name}={value}' for name, value in bad.items())}; "
+            f"valid tensor-parallel sizes: {valid}"
+        )
+
+
+def _describe_exit(exitcode: int) -> str:
+    return f"was killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exited with code {exitcode}"
+
+
+class _Workers:
+    """What stopping the workers needs, apart from the driver, so that a weakref finalizer can hold it:
+    the workers then also stop when the engine is garbage collected or the interpreter exits."""
+
+    def __init__(self) -> None:
+        self.processes: list[BaseProcess] = []  # spawned workers, rank i + 1; empty for a launch across hosts
+        self.channel: BroadcastChannel | None = None
+        self.serving = False  # the workers are in their step loop, so they can be told to stop
+        self.cpu_threads: int | None = None  # rank 0's torch thread count before a CPU run split the cores
+
+    def shutdown(self) -> None:
+        if self.serving:
+            self.serving = False
+            try:
+                self.channel.send(None)
+            except RuntimeError:
+                pass  # a worker is gone; the rest are stopped below
+            for process in self.processes:
+                process.join(JOIN_TIMEOUT_S)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        destroy_tensor_parallel()
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
+
+
+class TensorParallelDriver:
+    def __init__(self, config: EngineConfig, hf_config: Any, device: torch.device) -> None:
+        """Validate the size, start or join the other ranks and send them the engine arguments
+        (with the device resolved, so every rank builds the same model the same way)."""
+        world_size = config.tensor_parallel_size
+        check_tensor_parallel_size(hf_config, world_size)
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process: close the other "
+                               "tensor-parallel engine first (one per process)")
+        self.workers = _Workers()
+        self._finalizer = weakref.finalize(self, self.workers.shutdown)
+        if device.type == "cpu":
+            self.workers.cpu_threads = split_cpu_threads(world_size)
+        self.runner: ModelRunner | None = None
+        self.error: BaseException | None = None
+        self._sampled: tuple[list[str], list[int]] = ([], [])
+        with self._guard():
+            if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+                self._join_env_rendezvous(world_size)
+            else:
+                self._spawn_workers(world_size, device)
+            self.workers.channel = BroadcastChannel(control_group())
+            self.workers.channel.send(dataclasses.replace(config, device=device.type))
+
+    def _join_env_rendezvous(self, world_size: int) -> None:
+        """The other ranks were launched by hand (`python -m nanoinfer.distributed.worker`), maybe on other hosts."""
+        env_world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ.get("RANK", "0"))
+        if env_world_size != world_size:
+            raise ValueError(f"WORLD_SIZE={env_world_size} in the environment but tensor_parallel_size={world_size}")
+        if rank != 0:
+            raise ValueError(f"RANK={rank}: the engine is rank 0; start ranks 1..{world_size - 1} with "
+                             f"`python -m nanoinfer.distributed.worker`")
+        init_tensor_parallel(0, world_size, int(os.environ.get("LOCAL_RANK", "0")))
+
+    def _spawn_workers(self, world_size: int, device: torch.device) -> None:
+        """Ranks 1..N-1 on this host (GPU i for rank i), rendezvous through a store on a free local port."""
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs, "
+                             f"{torch.cuda.device_count()} are visible")
+        store = dist.TCPStore(LOCAL_HOST, 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                              wait_for_workers=False)
+        context = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, world_size):
+            process = context.Process(target=spawned_worker, args=(rank, world_size, store.port),
+                                      name=f"nanoinfer-tp-rank{rank}", daemon=True)
+            process.start()
+            self.workers.processes.append(process)
+        # Wait for every worker to come up while watching for one that dies starting (e.g. a script without
+        # an `if __name__ == "__main__":` guard, which the spawn start method needs).
+        keys, deadline = [ready_key(r) for r in range(1, world_size)], time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        while not store.check(keys):
+            self._raise_if_worker_died()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {COLLECTIVE_TIMEOUT}")
+            time.sleep(0.05)
+        init_tensor_parallel(0, world_size, 0, store)
+
+    def attach(self, runner: ModelRunner, num_blocks: int) -> int:
+        """Rank 0's runner is built: agree on the number of KV blocks with the workers (each sizes its
+        own budget; the smallest wins). From here on the workers follow every step."""
+        with self._guard():
+            num_blocks = tp_min(num_blocks)
+        self.runner = runner
+        self.workers.serving = True
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
+        """Send the step (and last step's sampled tokens) to the workers, then run rank 0's part.
+        Synchronous: the workers need this step's tokens before the next one."""
+        with self._guard():
+            self.workers.channel.send(StepMessage(scheduler_output, *self._sampled))
+            future = self.runner.execute_model(scheduler_output)
+            output = future.result() if future is not None else ModelRunnerOutput([], [], [])
+        self._sampled = (output.req_ids, output.sampled_token_ids)
+        return future
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group; idempotent."""
+        self._finalizer()
+
+    def _dead_workers(self, wait_s: float = 0.0) -> list[str]:
+        processes = self.workers.processes
+        if wait_s and processes and all(p.exitcode is None for p in processes):
+            multiprocessing.connection.wait([p.sentinel for p in processes], timeout=wait_s)
+        return [f"tensor-parallel worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
+                for rank, p in enumerate(processes, 1) if p.exitcode is not None]
+
+    def _raise_if_worker_died(self, wait_s: float = 0.0) -> None:
+        if dead := self._dead_workers(wait_s):
+            raise WorkerDiedError("; ".join(dead) + " (its error, if any, is in the log above); "
+                                  "the tensor-parallel engine cannot continue")
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Around everything that talks to the workers. After a failure the ranks are out of step for good:
+        the workers are stopped, a dead one is named, and every later call fails at once."""
+        if self.error is not None:
+            raise RuntimeError(f"the tensor-parallel engine stopped after an earlier error: {self.error}")
+        try:
+            self._raise_if_worker_died()
+            yield
+        except BaseException as e:
+            self.error, self.workers.serving = e, False  # out of step: stop the workers, do not message them
+            try:
+                if not isinstance(e, WorkerDiedError):
+                    # A collective failing on a dropped connection usually means a worker just died.
+                    self._raise_if_worker_died(DEATH_GRACE_S if isinstance(e, RuntimeError) else 0.0)
+            except WorkerDiedError as died:
+                self.error = died
+                raise died from e
+            finally:
+                self.close()
+            raise

@@ -1,0 +1,235 @@
+"""The HTTP front end: FastAPI routes, API-key check, errors in OpenAI's
+shape (never a traceback), and a uvicorn server that drains on SIGTERM.
+
+Process layout: this process does HTTP, tokenization, chat templates and
+detokenization; the engine core runs in a child process (see core_process)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from nanoinfer import __version__
+from nanoinfer.config import EngineConfig
+from nanoinfer.server.core_client import CoreClient, EngineDeadError
+from nanoinfer.server.metrics import ServerMetrics
+from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, parse_body)
+from nanoinfer.server.serving import OpenAIServing
+
+logger = logging.getLogger("nanoinfer")
+
+_UVICORN_GRACE_SECONDS = 5  # after draining, for responses still being written
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ("nanoinfer",)
+    max_request_body_bytes: int = 4 << 20
+    max_output_tokens_per_request: int | None = 1 << 20
+    shutdown_timeout: float = 30.0
+    log_stats_interval: float = 5.0
+    access_log: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.max_output_tokens_per_request is not None and self.max_output_tokens_per_request < 1:
+            raise ValueError(f"max_output_tokens_per_request must be >= 1, got {self.max_output_tokens_per_request}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.served_model_names:
+            raise ValueError("served_model_names is empty")
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class ApiKeyMiddleware:
+    """Every path but /health needs `Authorization: Bearer <key>` (pure ASGI, so streams pass untouched)."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+                return await error_response(error)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+async def read_json(raw: Request, limit: int) -> object:
+    """The body as JSON, refusing bodies over `limit` bytes before reading them when the length is declared."""
+    too_large = ApiError(413, f"the request body exceeds {limit} bytes")
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in raw.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions) -> FastAPI:
+    app = FastAPI(title="nanoinfer", version=__version__)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    limit = options.max_request_body_bytes
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, e: ApiError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_, e: EngineDeadError) -> JSONResponse:
+        return error_response(ApiError(503, str(e)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(ApiError(e.status_code, str(e.detail), headers=e.headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(400, str(e)))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_, e: Exception) -> JSONResponse:
+        logger.error("internal error: %s: %s", type(e).__name__, e, exc_info=e)
+        return error_response(ApiError(500, f"internal server error ({type(e).__name__})"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        client.check_alive()
+        if not serving.accepting:
+            raise ApiError(503, "the server is shutting down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "nanoinfer", "root": client.model_path,
+             "max_model_len": client.limits.max_model_len} for name in options.served_model_names]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict:
+        return serving.tokenize(parse_body(TokenizeRequest, await read_json(raw, limit)))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict:
+        return serving.detokenize(parse_body(DetokenizeRequest, await read_json(raw, limit)))
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await serving.create_completion(parse_body(CompletionRequest, await read_json(raw, limit)), raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await serving.create_chat_completion(parse_body(ChatCompletionRequest, await read_json(raw, limit)),
+                                                    raw)
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """The first SIGTERM / SIGINT starts `drain` instead of stopping at once; a second one forces the exit."""
+
+    def __init__(self, config: uvicorn.Config, drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self.drain_started = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        # Unlike uvicorn's, records no signal to re-raise at exit: a drained shutdown exits with status 0.
+        if self.drain_started:
+            self.should_exit = self.force_exit = True
+            return
+        self.drain_started = True
+        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain(self)))
+
+
+async def _drain(client: CoreClient, serving: OpenAIServing, server: DrainingServer, timeout: float) -> None:
+    """Refuse new requests (503), let running ones finish for up to `timeout` seconds, abort the rest, exit."""
+    serving.accepting = False
+    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight",
+                timeout, client.num_unfinished)
+    deadline = time.monotonic() + timeout
+    while client.num_unfinished and client.dead_reason is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if client.num_unfinished:
+        logger.warning("aborting %d requests still in flight", client.num_unfinished)
+        client.abort_all()
+    server.should_exit = True
+
+
+async def _log_stats(metrics: ServerMetrics, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        line = metrics.log_line()
+        if line is not None:
+            logger.info(line)
+
+
+async def serve(config: EngineConfig, options: ServeOptions) -> None:
+    """Start the engine core, then serve HTTP until a signal drains and stops the server."""
+    metrics = ServerMetrics(options.served_model_names[0])
+    client = CoreClient(config, metrics, options.max_output_tokens_per_request)
+    stats_task = None
+    try:
+        await client.start()
+        serving = OpenAIServing(client, list(options.served_model_names))
+        app = build_app(client, serving, options)
+        uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
+                                        timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")
+        server = DrainingServer(uvicorn_config, lambda s: _drain(client, serving, s, options.shutdown_timeout))
+        if options.log_stats_interval > 0:
+            stats_task = asyncio.create_task(_log_stats(metrics, options.log_stats_interval))
+        await server.serve()
+    finally:
+        if stats_task is not None:
+            stats_task.cancel()
+        await client.shutdown()
+    logger.info("server stopped")
+
+
+def run_server(config: EngineConfig, options: ServeOptions) -> None:
+    asyncio.run(serve(config, options))

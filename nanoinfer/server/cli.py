@@ -1,0 +1,52 @@
+"""`nanoinfer serve [MODEL] [--host --port --api-key ...] [engine args]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from nanoinfer.cli import add_engine_args, engine_kwargs
+from nanoinfer.config import EngineConfig
+
+
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, metrics)")
+    parser.add_argument("model", nargs="?", default=None,
+                        help="model folder, .gguf file or config.json (dummy weights); default: the embedded "
+                             "SmolLM2-135M-Instruct")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOINFER_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                             "(default: $NANOINFER_API_KEY, else none)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="name(s) clients use for the model; the first appears in responses "
+                             "(default: the model argument)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=4 << 20,
+                        help="larger request bodies get 413 (default: 4 MiB)")
+    parser.add_argument("--max-output-tokens-per-request", type=int, default=1 << 20,
+                        help="largest max_tokens x n x prompts one request may ask for; 400 beyond (default: 1Mi)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds in-flight requests may run before they are aborted (default: 30)")
+    parser.add_argument("--log-stats-interval", type=float, default=5.0,
+                        help="seconds between throughput / queue / KV-cache log lines; 0 = off (default: 5)")
+    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                        help="log every HTTP request (default: on)")
+    add_engine_args(parser, skip=("model",))
+    parser.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoinfer.loader.default_model import DEFAULT_MODEL_NAME
+    from nanoinfer.server.api_server import ServeOptions, run_server
+
+    config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
+    options = ServeOptions(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_output_tokens_per_request=args.max_output_tokens_per_request,
+        shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
+        access_log=args.access_log)
+    run_server(config, options)
+    return 0

@@ -1,0 +1,268 @@
+"""The API process's side of the engine core: spawns the core process, admits
+requests (validation, tokenization, `n` fan-out, queue bound) and ships them
+over ZeroMQ, and turns the core's output batches into per-request streams
+(incremental detokenization, stop strings) on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import time
+
+import zmq
+import zmq.asyncio
+
+from nanoinfer.config import EngineConfig
+from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
+from nanoinfer.engine.llm_engine import load_tokenizer
+from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.loader.resolve import resolve_model
+from nanoinfer.outputs import RequestOutput
+from nanoinfer.request import RequestStatus
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.server.core_process import run_engine_core
+from nanoinfer.server.metrics import ServerMetrics
+from nanoinfer.server.wire import MessageType, decode_outputs, encode_request, pack, unpack
+
+logger = logging.getLogger("nanoinfer")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone: nothing can be served until a restart."""
+
+
+class OutputStream:
+    """The outputs of one API call's requests (one per prompt). Outputs are
+    cumulative, so a slow reader gets the newest one per request, never a backlog."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = request_ids
+        self.unfinished = set(request_ids)
+        self._pending: dict[str, RequestOutput] = {}
+        self._error: Exception | None = None
+        self._event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._pending[output.request_id] = output
+        if output.finished:
+            self.unfinished.discard(output.request_id)
+        self._event.set()
+
+    def fail(self, error: Exception) -> None:
+        self._error = error
+        self.unfinished.clear()
+        self._event.set()
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> dict[str, RequestOutput]:
+        """The requests that changed since the last call, by request id."""
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            if not self.unfinished:
+                raise StopAsyncIteration
+            await self._event.wait()
+            self._event.clear()
+        pending, self._pending = self._pending, {}
+        return pending
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics, max_output_tokens_per_request: int | None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.max_output_tokens_per_request = max_output_tokens_per_request
+        self.streams: dict[str, OutputStream] = {}  # by request id
+        self.waiting: set[str] = set()  # child ids the core has not scheduled yet
+        self.dead_reason: str | None = None
+        self._core_error: str | None = None
+        self._closing = False
+        self._tmpdir = tempfile.mkdtemp(prefix="nanoinfer-")
+        # Sends are plain non-blocking calls on an unbounded queue: they never wait on the core.
+        self._sync_ctx = zmq.Context()
+        self._input = self._sync_ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.bind(f"ipc://{self._tmpdir}/input")
+        self._ctx = zmq.asyncio.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(f"ipc://{self._tmpdir}/output")
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._output_task: asyncio.Task | None = None
+
+    # ----- life cycle -----
+
+    async def start(self) -> None:
+        """Resolve the model, start the core process and wait until it has loaded it."""
+        source = resolve_model(self.config)  # converts a GGUF once, before the core reads the cache
+        self.tokenizer = load_tokenizer(source.tokenizer_path)
+        eos = set(source.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        source = dataclasses.replace(source, eos_token_ids=eos)
+        self.model_path = source.model_path
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        self._proc = ctx.Process(target=run_engine_core, name="nanoinfer-engine-core", args=(
+            self.config, source, f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output"))
+        self._proc.start()
+        while not await self._output.poll(500):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine core process exited during start-up (exit code {self._proc.exitcode})")
+        message = unpack(await self._output.recv())
+        if message[0] == MessageType.ERROR:
+            self._proc.join(10)
+            raise RuntimeError(f"the engine core failed to start: {message[1]}")
+        limits, self.num_blocks = message[1], message[2]
+        self.limits = EngineLimits(**(limits | {"eos_token_ids": set(limits["eos_token_ids"])}))
+        self.input_processor = InputProcessor(self.tokenizer, self.limits)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_core_exit)
+        self._output_task = asyncio.create_task(self._output_loop())
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core process (politely, then by signal) and release the sockets."""
+        self._closing = True
+        proc = self._proc
+        if proc is not None:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+            if proc.is_alive():
+                self._send(MessageType.SHUTDOWN)
+            for stop, wait in ((None, timeout), (proc.terminate, 5.0), (proc.kill, 5.0)):
+                if stop is not None and proc.is_alive():
+                    logger.warning("the engine core did not exit in time: %s", stop.__name__)
+                    stop()
+                deadline = time.monotonic() + wait
+                while proc.is_alive() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+            proc.join(0)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._ctx.destroy(linger=0)
+        self._sync_ctx.destroy(linger=0)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _on_core_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._proc.join(1)  # the sentinel fires as the process ends; reaping it may lag a moment
+        if not self._closing and self.dead_reason is None:
+            self._die(f"the engine core process died (exit code {self._proc.exitcode})"
+                      + (f": {self._core_error}" if self._core_error else ""))
+
+    def _die(self, reason: str) -> None:
+        """From now on every request fails fast with `reason` (503), instead of hanging."""
+        self.dead_reason = reason
+        logger.error("%s; requests fail with 503 until the server is restarted", reason)
+        if self._proc.is_alive():
+            self._proc.kill()
+        error = EngineDeadError(reason)
+        for stream in set(self.streams.values()):
+            stream.fail(error)
+        self.streams.clear()
+        self.waiting.clear()
+        if self._output_task is not None:
+            self._output_task.cancel()
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.streams)
+
+    # ----- requests in -----
+
+    def generate(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0,
+                 cache_salt: str | None = None) -> OutputStream:
+        """Admit one API call's prompts (all or none); request i is `{request_id}-{i}`.
+
+        Raises ValueError / TypeError for bad input, OverflowError when the
+        waiting queue is full, EngineDeadError when the core is gone."""
+        self.check_alive()
+        admitted = []
+        for i, prompt in enumerate(prompts):
+            admitted.append(self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt))
+        children = [child for _, group in admitted for child in group]
+        total = sum(child.max_tokens for child in children)
+        limit = self.max_output_tokens_per_request
+        if limit is not None and total > limit:
+            raise ValueError(f"max_tokens x n x prompts = {total} tokens exceeds this server's limit of {limit} "
+                             f"output tokens per request")
+        bound = self.limits.max_num_waiting
+        if bound is not None and len(self.waiting) + len(children) > bound:
+            raise OverflowError(f"the waiting queue is full ({len(self.waiting)} requests waiting, at most {bound})")
+        stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
+        for i, (prompt, (prompt_ids, group)) in enumerate(zip(prompts, admitted)):
+            self.output_processor.add_request(stream.request_ids[i], prompt if isinstance(prompt, str) else None,
+                                              prompt_ids, params, [child.request_id for child in group])
+            self.streams[stream.request_ids[i]] = stream
+            for child in group:
+                self.metrics.start_request(child.request_id, child.arrival_time, len(prompt_ids))
+                self.waiting.add(child.request_id)
+                self._send(MessageType.ADD, encode_request(child))
+        return stream
+
+    def abort(self, stream: OutputStream) -> None:
+        """Stop the stream's unfinished requests in the core (freeing their blocks)
+        and end them with finish_reason "abort". A no-op once all have finished."""
+        now = time.monotonic()
+        for request_id in list(stream.unfinished):
+            child_ids = self.output_processor.child_ids(request_id)
+            self._send(MessageType.ABORT, child_ids, int(RequestStatus.FINISHED_ABORTED))
+            for child_id in child_ids:
+                self.waiting.discard(child_id)
+                self.metrics.finish_request(child_id, "abort", now)
+            self.streams.pop(request_id, None)
+            final = self.output_processor.abort(request_id)
+            if final is not None:
+                stream.put(final)
+
+    def abort_all(self) -> None:
+        for stream in set(self.streams.values()):
+            self.abort(stream)
+
+    def _send(self, *frame) -> None:
+        if self.dead_reason is None:
+            try:
+                self._input.send(pack(*frame), zmq.NOBLOCK)
+            except zmq.Again:  # the core just died; its exit handler reports it
+                pass
+
+    # ----- outputs back -----
+
+    async def _output_loop(self) -> None:
+        while True:
+            message = unpack(await self._output.recv())
+            if message[0] == MessageType.ERROR:
+                self._core_error = message[1]
+                logger.error("the engine core failed: %s", message[1])
+                continue
+            try:
+                self._process_outputs(*message[1:])
+            except Exception as e:  # a bug here would leave requests hanging: fail loudly instead
+                logger.exception("processing engine outputs failed")
+                self._die(f"processing engine outputs failed: {type(e).__name__}: {e}")
+                return
+
+    def _process_outputs(self, rows: list, scheduled: list, stats: dict) -> None:
+        now = time.monotonic()
+        for child_id, queue_time in scheduled:
+            self.waiting.discard(child_id)
+            self.metrics.observe_queue_time(queue_time)
+        outputs = decode_outputs(rows)
+        self.metrics.on_outputs(outputs, now)
+        request_outputs, stopped = self.output_processor.process_outputs(outputs)
+        if stopped:  # stop strings, found here, end the requests in the core
+            self._send(MessageType.ABORT, stopped, int(RequestStatus.FINISHED_STOPPED))
+            for child_id in stopped:
+                self.metrics.finish_request(child_id, "stop", now)
+        for output in request_outputs:
+            stream = self.streams.pop(output.request_id, None) if output.finished else self.streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+        self.metrics.on_core_stats(stats, self.num_blocks)

@@ -1,0 +1,163 @@
+"""Request bodies of the HTTP API (OpenAI / vLLM field names) and the
+OpenAI-style error every failure is reported as."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nanoinfer.sampling_params import SamplingParams
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+
+
+class ApiError(Exception):
+    """An error the client gets as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict:
+        error_type = _ERROR_TYPES.get(self.status, "internal_server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.status}}
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as vLLM and OpenAI do.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+# Fields passed to SamplingParams under the same name when given.
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+                    "include_stop_str_in_output", "skip_special_tokens")
+
+
+class GenerationRequest(_Body):
+    """What both generation endpoints accept besides their prompt."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+
+
+def _is_token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Any  # checked by prompts(): pydantic's union errors would not say what is allowed
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (a string or token ids each)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                    or all(_is_token_ids(p) for p in prompt)):
+            return prompt
+        if prompt == []:
+            raise ApiError(400, "prompt is empty", "prompt")
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                            "of token ids", "prompt")
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text content only."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_body(model: type[_Body], data: object) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        error = e.errors()[0]
+        loc = [str(part) for part in error["loc"]]
+        where = f"{'.'.join(loc)}: " if loc else ""
+        raise ApiError(400, f"{where}{error['msg']}", loc[0] if loc else None) from None

@@ -1,0 +1,313 @@
+"""The OpenAI endpoints: a request body becomes prompts and SamplingParams,
+goes through the CoreClient, and comes back as one JSON response or as
+server-sent events. Also /tokenize and /detokenize, which share the chat
+template handling."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Iterable, Iterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.server.core_client import CoreClient, EngineDeadError, OutputStream
+from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                       DetokenizeRequest, GenerationRequest, TokenizeRequest)
+
+# Words that start our validation messages ("top_p must be ...") and name a request field.
+_FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "priority"}
+_MIN_LOGPROB = -9999.0  # JSON has no -inf
+_RETRY_AFTER_SECONDS = "1"
+
+
+def _param(message: str, renames: dict[str, str]) -> str | None:
+    word = message.split(" ", 1)[0]
+    return renames.get(word, word) if word in _FIELD_NAMES else None
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _usage(outputs: Iterable[RequestOutput]) -> dict:
+    outputs = list(outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+
+
+@dataclass
+class _Delta:
+    """New output of one choice since the stream last sent it."""
+
+    index: int  # the choice's index in the response: prompt position x n + child index
+    output: RequestOutput
+    completion: CompletionOutput
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    text_offset: int  # where `text` starts in the choice's whole text
+    first: bool
+
+
+@dataclass
+class _Sent:
+    text_len: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+class _DeltaTracker:
+    """Turns the cumulative outputs of a stream into per-choice deltas."""
+
+    def __init__(self, request_ids: list[str], n: int) -> None:
+        self.position = {request_id: i for i, request_id in enumerate(request_ids)}
+        self.n = n
+        self.sent: dict[tuple[str, int], _Sent] = {}
+        self.latest: dict[str, RequestOutput] = {}
+
+    def update(self, updates: dict[str, RequestOutput]) -> Iterator[_Delta]:
+        for request_id, output in updates.items():
+            self.latest[request_id] = output
+            for c in output.outputs:
+                sent = self.sent.setdefault((request_id, c.index), _Sent())
+                text = c.text[sent.text_len:]
+                if sent.finished or not (text or c.finish_reason is not None):
+                    continue  # text can lag tokens (incomplete characters, a possible stop string)
+                logprobs = c.logprobs[sent.num_tokens:] if c.logprobs is not None else None
+                yield _Delta(self.position[request_id] * self.n + c.index, output, c, text,
+                             c.token_ids[sent.num_tokens:], logprobs, sent.text_len, not sent.started)
+                sent.text_len, sent.num_tokens = len(c.text), len(c.token_ids)
+                sent.started, sent.finished = True, c.finish_reason is not None
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that run `on_close` however they end: done, failed, or the client gone."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _client_disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServing:
+    def __init__(self, client: CoreClient, model_names: list[str]) -> None:
+        self.client = client
+        self.model_names = model_names
+        self.tokenizer = client.tokenizer
+        self.accepting = True  # False while draining for shutdown
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_names}", "model")
+
+    # ----- /v1/completions -----
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = self._generate(request_id, req.prompts(), params, req, {})
+        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_names[0]}
+
+        def choice(d: _Delta) -> dict:
+            return {"index": d.index, "text": (self._prompt_text(d.output) if req.echo and d.first else "") + d.text,
+                    "logprobs": None if d.logprobs is None else
+                    self._completion_logprobs(d.token_ids, d.logprobs, d.text_offset),
+                    "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
+
+        if req.stream:
+            events = self._events(stream, params.n, base, choice, req.include_usage)
+            return EventStreamResponse(events, lambda: self.client.abort(stream))
+        outputs = await self._collect(stream, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        choices = [choice(_Delta(i * params.n + c.index, o, c, c.text, c.token_ids, c.logprobs, 0, True))
+                   for i, o in enumerate(outputs) for c in o.outputs]
+        return JSONResponse(base | {"choices": choices, "usage": _usage(outputs)})
+
+    # ----- /v1/chat/completions -----
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, renames)
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = self._generate(request_id, [prompt], params, req, renames)
+        top_n = req.top_logprobs or 0
+        base = {"id": request_id, "created": int(time.time()), "model": self.model_names[0]}
+
+        def logprobs_of(d_token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict | None:
+            return None if logprobs is None else self._chat_logprobs(d_token_ids, logprobs, top_n)
+
+        if req.stream:
+            def chunk_choice(d: _Delta) -> dict:
+                delta = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
+                return {"index": d.index, "delta": delta, "logprobs": logprobs_of(d.token_ids, d.logprobs),
+                        "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
+
+            events = self._events(stream, params.n, base | {"object": "chat.completion.chunk"}, chunk_choice,
+                                  req.include_usage)
+            return EventStreamResponse(events, lambda: self.client.abort(stream))
+        outputs = await self._collect(stream, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs_of(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in outputs[0].outputs]
+        return JSONResponse(base | {"object": "chat.completion", "choices": choices, "usage": _usage(outputs)})
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool = False) -> list[int]:
+        """The conversation through the model's chat template, as token ids."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template", "messages")
+        if not messages:
+            raise ApiError(400, "messages is empty", "messages")
+        try:
+            token_ids = self.tokenizer.apply_chat_template(
+                [m.to_template() for m in messages], add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True, return_dict=False)
+        except Exception as e:  # jinja and transformers raise many types for a conversation they reject
+            raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        return list(token_ids)
+
+    # ----- /tokenize, /detokenize -----
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            token_ids = self.chat_prompt(req.messages, req.add_generation_prompt)
+        elif self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "prompt")
+        else:
+            token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(token_ids), "max_model_len": self.client.limits.max_model_len, "tokens": token_ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "tokens")
+        vocab_size = self.client.limits.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
+    # ----- shared -----
+
+    @staticmethod
+    def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None,
+                         renames: dict[str, str]) -> SamplingParams:
+        req.check_stream_options()
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), _param(str(e), renames)) from None
+
+    def _generate(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, req: GenerationRequest,
+                  renames: dict[str, str]) -> OutputStream:
+        if not self.accepting:
+            raise ApiError(503, "the server is shutting down")
+        try:
+            return self.client.generate(request_id, prompts, params, req.priority, req.cache_salt)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), _param(str(e), renames)) from None
+        except OverflowError as e:
+            raise ApiError(503, f"{e}; retry later", headers={"Retry-After": _RETRY_AFTER_SECONDS}) from None
+
+    async def _collect(self, stream: OutputStream, raw: Request) -> list[RequestOutput] | None:
+        """The final outputs in prompt order; None if the client went away first (then it is aborted)."""
+
+        async def consume() -> list[RequestOutput]:
+            final: dict[str, RequestOutput] = {}
+            async for updates in stream:
+                final.update(updates)
+            return [final[request_id] for request_id in stream.request_ids]
+
+        task = asyncio.ensure_future(consume())
+        disconnected = asyncio.ensure_future(_client_disconnected(raw))
+        try:
+            done, _ = await asyncio.wait((task, disconnected), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnected.cancel()
+            if not task.done():
+                task.cancel()
+            self.client.abort(stream)
+        return task.result() if task in done else None
+
+    async def _events(self, stream: OutputStream, n: int, base: dict, render: Callable[[_Delta], dict],
+                      include_usage: bool) -> AsyncIterator[str]:
+        tracker = _DeltaTracker(stream.request_ids, n)
+        try:
+            async for updates in stream:
+                for delta in tracker.update(updates):
+                    yield _event(base | {"choices": [render(delta)]} | ({"usage": None} if include_usage else {}))
+            if include_usage:
+                yield _event(base | {"choices": [], "usage": _usage(tracker.latest.values())})
+        except EngineDeadError as e:
+            yield _event(ApiError(503, str(e)).body())
+        yield "data: [DONE]\n\n"
+
+    def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
+        tokens = [self._token_text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [max(lp[t], _MIN_LOGPROB) for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [{self._token_text(i): max(v, _MIN_LOGPROB) for i, v in lp.items()} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:
+        def entry(token_id: int, value: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": max(value, _MIN_LOGPROB), "bytes": list(text.encode())}
+
+        return {"content": [entry(t, lp[t]) | {"top_logprobs": [entry(i, v) for i, v in
+                                                                 sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]]}
+                            for t, lp in zip(token_ids, logprobs)]}

@@ -1,0 +1,73 @@
+"""What travels between the API process and the engine-core process: msgpack
+frames of `[MessageType, ...]`. Plain lists and dicts only, so either side
+can be read without the other's classes and nothing is ever unpickled."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import msgpack
+
+from nanoinfer.outputs import EngineCoreOutput, TokenLogprobs
+from nanoinfer.request import Request
+from nanoinfer.sampling_params import SamplingParams
+
+
+class MessageType(enum.IntEnum):
+    # API -> core
+    ADD = 0  # [ADD, request dict]
+    ABORT = 1  # [ABORT, child ids, RequestStatus]: client gone, stop string, shutdown
+    SHUTDOWN = 2  # [SHUTDOWN]
+    # core -> API
+    READY = 3  # [READY, limits dict]
+    OUTPUTS = 4  # [OUTPUTS, outputs, [[child id, queue seconds], ...], stats dict]
+    ERROR = 5  # [ERROR, message]: the core is about to exit
+
+
+def pack(*frame: Any) -> bytes:
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def encode_request(request: Request) -> dict:
+    return {
+        "request_id": request.request_id,
+        "prompt_token_ids": request.prompt_token_ids,
+        "sampling_params": dataclasses.asdict(request.sampling_params),
+        "max_tokens": request.max_tokens,
+        "priority": request.priority,
+        "cache_salt": request.cache_salt,
+        "arrival_time": request.arrival_time,  # time.monotonic(): one clock for all processes on a host
+    }
+
+
+def decode_request(data: dict, eos_token_ids: set[int], block_size: int) -> Request:
+    """The core's copy of a request the API process validated; the core's own limits fill in the rest."""
+    return Request(data["request_id"], data["prompt_token_ids"], SamplingParams(**data["sampling_params"]),
+                   eos_token_ids, block_size, data["max_tokens"], data["priority"], data["cache_salt"],
+                   data["arrival_time"])
+
+
+def encode_outputs(outputs: list[EngineCoreOutput]) -> list[list]:
+    return [
+        [o.request_id, o.new_token_ids,
+         None if all(lp is None for lp in o.new_logprobs) else
+         [None if lp is None else [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
+          for lp in o.new_logprobs],
+         o.finish_reason, o.stop_reason, o.num_cached_tokens]
+        for o in outputs
+    ]
+
+
+def decode_outputs(rows: list[list]) -> list[EngineCoreOutput]:
+    outputs = []
+    for request_id, token_ids, logprobs, finish_reason, stop_reason, num_cached in rows:
+        new_logprobs = ([None] * len(token_ids) if logprobs is None else
+                        [None if lp is None else TokenLogprobs(*lp) for lp in logprobs])
+        outputs.append(EngineCoreOutput(request_id, token_ids, new_logprobs, finish_reason, stop_reason, num_cached))
+    return outputs

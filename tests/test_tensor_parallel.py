@@ -1,0 +1,200 @@
+"""Tensor parallelism on CPU (gloo): TP=N greedy output equals TP=1 token for
+token, bad sizes fail before any process starts, a dead worker is a clear
+error instead of a hang, and workers stop when the engine closes.
+
+Only one TP engine may live in a process (the default torch.distributed group
+is the TP group), and a TP=1 engine must not run while one does: every test
+builds its references first and closes its TP engine before returning."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nanoinfer
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.distributed.driver import WorkerDiedError
+from nanoinfer.layers import embedding as embedding_module
+from nanoinfer.layers import linear as linear_module
+from nanoinfer.loader.weights import get_hf_config, load_model
+
+SMALL_KV = 64 << 20
+
+
+def greedy(n: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, min_tokens=n, **kw)
+
+
+def tiny_prompts() -> list[list[int]]:
+    shared = [(11 * j + 5) % 256 for j in range(24)]  # a shared prefix: prefix-cache hits under TP too
+    return [shared + [(13 * i + j) % 256 for j in range(4 + 4 * i)] for i in range(6)]
+
+
+# 24 blocks of 4 tokens for six requests of up to 64 tokens: preemption (resent requests), and
+# chunked prefill (16-token budget) — the deltas the workers must follow.
+PRESSURE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
+
+
+def run_tiny(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+    outs = llm.generate(tiny_prompts(), greedy(logprobs=1), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tiny_models) -> str:
+    return tiny_models["qwen3"]  # 4 query heads, 2 KV heads: 2 and 1 per rank at TP=2
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_qwen3) -> tuple[list[list[int]], list[list[float]]]:
+    return run_tiny(LLM(tiny_qwen3, device="cpu", **PRESSURE))
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_group():
+    yield
+    assert not dist.is_initialized(), "a test left its tensor-parallel engine open"
+
+
+def test_tp_size_that_does_not_divide_heads_fails_before_starting_workers() -> None:
+    # SmolLM2-135M: 9 query heads, 3 KV heads.
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide this model's "
+                                         r"num_attention_heads=9, num_key_value_heads=3; "
+                                         r"valid tensor-parallel sizes: \[1, 3\]"):
+        LLM(device="cpu", tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_dummy_weights_are_the_same_model_for_every_tp_size(tmp_path, monkeypatch) -> None:
+    """Each rank's dummy shard is exactly its slice of the TP=1 dummy model (ranks simulated in-process:
+    loading does no communication). The vocabulary (255) does not split evenly: the last row pads."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=255, architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
+    hf_config = get_hf_config(tmp_path)
+    load = lambda: dict(load_model(None, hf_config, "dummy", torch.float32, "cpu").named_parameters())  # noqa: E731
+    full = load()
+    layer = "model.layers.0."
+    for rank in range(2):
+        for module in (linear_module, embedding_module):
+            monkeypatch.setattr(module, "tp_rank", lambda r=rank: r)
+            monkeypatch.setattr(module, "tp_world_size", lambda: 2)
+        shard = load()
+        rows = lambda name, *sizes: torch.cat([part[rank * s // 2 : (rank + 1) * s // 2]  # noqa: E731
+                                               for part, s in zip(full[name].split(sizes), sizes)])
+        assert torch.equal(shard[layer + "self_attn.qkv_proj.weight"], rows(layer + "self_attn.qkv_proj.weight", 64, 32, 32))
+        assert torch.equal(shard[layer + "mlp.gate_up_proj.weight"], rows(layer + "mlp.gate_up_proj.weight", 128, 128))
+        assert torch.equal(shard[layer + "self_attn.o_proj.weight"], full[layer + "self_attn.o_proj.weight"][:, rank * 32 : (rank + 1) * 32])
+        assert torch.equal(shard[layer + "mlp.down_proj.weight"], full[layer + "mlp.down_proj.weight"][:, rank * 64 : (rank + 1) * 64])
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            real = full[name][rank * 128 : (rank + 1) * 128]
+            assert torch.equal(shard[name][: len(real)], real) and not shard[name][len(real) :].any()
+        for name in (layer + "input_layernorm.weight", layer + "self_attn.q_norm.weight", "model.norm.weight"):
+            assert torch.equal(shard[name], full[name])
+    assert not torch.equal(full["model.embed_tokens.weight"], full["lm_head.weight"])  # per-name seeds
+
+
+def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference) -> None:
+    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, **PRESSURE)
+    try:
+        tokens, logprobs = run_tiny(llm)
+        assert tokens == tiny_reference[0]
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(tiny_reference[1]), atol=1e-4)
+        again, _ = run_tiny(llm)  # every prompt now hits the prefix cache (on every rank's KV)
+        assert again == tiny_reference[0]
+        assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
+        worker = llm.engine.core.tp_driver.workers.processes[0]
+    finally:
+        llm.engine.core.close()
+    assert worker.exitcode == 0  # told to stop, it left its loop cleanly
+
+
+def test_tp3_equals_tp1_on_smollm2() -> None:
+    """The embedded GGUF (converted folder): 9/3 heads split three ways."""
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    reference = [o.outputs[0].token_ids for o in LLM(device="cpu").generate(prompts, greedy(), use_tqdm=False)]
+    llm = LLM(device="cpu", tensor_parallel_size=3, kv_cache_memory_bytes=SMALL_KV)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)] == reference
+    finally:
+        llm.engine.core.close()
+
+
+def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
+    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV)
+    try:
+        worker = llm.engine.core.tp_driver.workers.processes[0]
+        llm.engine.add_request("r", list(range(1, 30)), greedy(400))
+        for _ in range(3):
+            llm.engine.step()
+        os.kill(worker.pid, signal.SIGKILL)  # the next step is most likely mid-collective when it notices
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                while llm.engine.has_unfinished_requests():
+                    llm.engine.step()
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), "the engine hung after its worker died"
+        assert len(errors) == 1 and isinstance(errors[0], WorkerDiedError), errors
+        assert f"tensor-parallel worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(errors[0])
+        with pytest.raises(RuntimeError, match="stopped after an earlier error: tensor-parallel worker rank 1"):
+            llm.engine.step()
+    finally:
+        llm.engine.core.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_workers_launched_by_hand_join_through_env_rendezvous(tiny_qwen3, tiny_reference, monkeypatch) -> None:
+    """The launch across hosts, on one host: `python -m nanoinfer.distributed.worker` as rank 1, the engine
+    as rank 0, both through MASTER_ADDR/MASTER_PORT. Garbage-collecting the engine stops the worker."""
+    rendezvous = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    repo = str(Path(nanoinfer.__file__).parents[1])
+    env = dict(os.environ, **rendezvous, RANK="1", LOCAL_RANK="0",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    worker = subprocess.Popen([sys.executable, "-m", "nanoinfer.distributed.worker"], env=env)
+    try:
+        for name, value in dict(rendezvous, RANK="0").items():
+            monkeypatch.setenv(name, value)
+        llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, **PRESSURE)
+        assert llm.engine.core.tp_driver.workers.processes == []  # nothing spawned
+        assert run_tiny(llm)[0] == tiny_reference[0]
+        del llm
+        gc.collect()
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def test_worker_module_needs_the_env_rendezvous() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(Path(nanoinfer.__file__).parents[1])
+    done = subprocess.run([sys.executable, "-m", "nanoinfer.distributed.worker"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE" in done.stderr
