@@ -167,6 +167,7 @@ class Harness:
 
     def __init__(self, num_blocks: int, max_model_len: int = 1 << 20, **config) -> None:
         config.setdefault("block_size", 4)
+        config.setdefault("async_scheduling", False)
         self.config = EngineConfig(**config)
         self.block_size = self.config.block_size
         self.max_model_len = max_model_len
@@ -183,6 +184,7 @@ class Harness:
         self.reported_finished: Counter[str] = Counter()
         self.block_contents: dict[int, tuple[int, ...]] = {}  # prefix-cache key -> the block's prefix ids
         self._request_prefix_ids: dict[str, list[int]] = {}
+        self.in_flight: ModelRunnerOutput | None = None  # async scheduling: the step whose tokens are not read yet
         self.num_hit_tokens = 0
         self.num_steps = 0
         self._arrival = 0
@@ -209,8 +211,13 @@ class Harness:
         return finished
 
     def step(self) -> SchedulerOutput:
+        """schedule -> execute -> update; with async scheduling the update is the previous step's,
+        as in EngineCore.step, so a request's newest token may still be in flight while it is planned."""
         scheduler, cfg = self.scheduler, self.config
         before = {r.request_id for r in scheduler.running}
+        known = {r.request_id: r.num_tokens + r.num_output_placeholders for r in scheduler.running}
+        last_in_flight = {r.request_id for r in scheduler.running
+                          if r.num_output_tokens + r.num_output_placeholders >= r.max_tokens}
         preemptions = scheduler.num_preemptions
         out = scheduler.schedule()
         self.num_steps += 1
@@ -228,14 +235,14 @@ class Harness:
         assert not {n.req_id for n in out.new_reqs} & before
         if out.new_reqs:  # admitted only after every running request got its share, without preempting
             assert scheduler.num_preemptions == preemptions
-            assert all(r.request_id in scheduled for r in scheduler.running)
+            assert all(r.request_id in scheduled or r.request_id in last_in_flight for r in scheduler.running)
         # A request gets fewer tokens than it needs only when the budget ran out (chunking).
         start = {c.req_id: c.num_computed_tokens for c in out.cached_reqs}
         start.update({n.req_id: n.num_computed_tokens for n in out.new_reqs})
         for req_id, n in scheduled.items():
             request = self.all_requests[req_id]
             assert request.num_computed_tokens == start[req_id] + n
-            if start[req_id] + n < request.num_tokens:
+            if start[req_id] + n < known.get(req_id, request.num_tokens):
                 assert out.total_num_scheduled_tokens == cfg.max_num_batched_tokens
         for new in out.new_reqs:
             self.num_hit_tokens += new.num_computed_tokens
@@ -246,13 +253,17 @@ class Harness:
         runner_output = self.runner.execute(out)
         self._check_runner_view()
 
-        for output in scheduler.update_from_output(runner_output):
+        if cfg.async_scheduling:
+            runner_output, self.in_flight = self.in_flight, runner_output
+        for output in scheduler.update_from_output(runner_output) if runner_output else []:
             self.outputs[output.request_id].extend(output.new_token_ids)
             if output.finished:
                 self.finish_reasons[output.request_id] = output.finish_reason
-        for req_id, state in self.runner.states.items():
+        for req_id, state in self.runner.states.items():  # the runner is ahead by the tokens in flight
             if req_id in scheduler.requests:
-                assert state.token_ids == scheduler.requests[req_id].all_token_ids
+                request = scheduler.requests[req_id]
+                assert state.token_ids[: request.num_tokens] == request.all_token_ids
+                assert len(state.token_ids) == request.num_tokens + request.num_output_placeholders
         self.check()
         return out
 
@@ -296,7 +307,8 @@ class Harness:
         assert scheduler.requests.keys() == {r.request_id for r in queued} and len(queued) == len(scheduler.requests)
 
     def run(self, max_steps: int = 10_000) -> None:
-        """Step until every request is done, then once more so the runner hears of the last finishes."""
+        """Step until every request is done, then once more so the runner hears of the last
+        finishes (and, with async scheduling, the last step in flight is read back)."""
         while self.scheduler.num_unfinished:
             assert self.num_steps < max_steps, "no progress"
             self.step()
@@ -427,16 +439,44 @@ def test_cache_salt_blocks_hits_across_tenants():
 
 def test_recompute_after_preemption_gives_the_same_tokens_as_a_large_pool():
     workload = [(f"r{i}", tokens(3 * i, 5 + i), 12 + i % 4) for i in range(6)]
-    results = {}
-    for num_blocks in (6, 256):
-        h = Harness(num_blocks=num_blocks, max_model_len=24, max_num_batched_tokens=16)
-        for req_id, prompt, max_tokens in workload:
-            h.add(req_id, prompt, max_tokens)
-        h.run()
-        h.check_outputs()
-        results[num_blocks] = (h.outputs, h.scheduler.num_preemptions)
-    assert results[6][1] > 0 and results[256][1] == 0
-    assert results[6][0] == results[256][0]
+    outputs, preemptions = [], []
+    for num_blocks in (256, 6):
+        for async_scheduling in (False, True):
+            h = Harness(num_blocks=num_blocks, max_model_len=24, max_num_batched_tokens=16,
+                        async_scheduling=async_scheduling)
+            for req_id, prompt, max_tokens in workload:
+                h.add(req_id, prompt, max_tokens)
+            h.run()
+            h.check_outputs()
+            outputs.append(h.outputs)
+            preemptions.append(h.scheduler.num_preemptions)
+    assert preemptions[:2] == [0, 0] and min(preemptions[2:]) > 0
+    assert all(o == outputs[0] for o in outputs)
+
+
+def test_async_plans_the_next_token_before_it_is_known():
+    h = Harness(num_blocks=8, async_scheduling=True)
+    a = h.add("a", tokens(1, 4), max_tokens=3)
+    assert h.step().num_scheduled_tokens == {"a": 4}
+    assert h.outputs["a"] == [] and a.num_output_placeholders == 1  # step 1's token is not read back yet
+    assert h.step().num_scheduled_tokens == {"a": 1}  # position 4 holds that token; the runner feeds it
+    assert len(h.outputs["a"]) == 1 and a.num_output_placeholders == 1
+    assert h.step().num_scheduled_tokens == {"a": 1}
+    assert h.step().num_scheduled_tokens == {}  # the last token is in flight: nothing left to compute
+    assert h.finish_reasons == {"a": "length"}
+    h.run()
+    h.check_outputs()
+
+
+def test_async_stop_on_eos_drops_the_token_already_in_flight():
+    lengths = {s: len(reference_output(tokens(s, 3), 50, 1 << 20, False)[0]) for s in range(100)}
+    prompt = tokens(next(s for s, n in lengths.items() if 2 <= n < 50), 3)  # stops on EOS after a few tokens
+    h = Harness(num_blocks=32, async_scheduling=True)
+    h.add("a", prompt, max_tokens=50, ignore_eos=False)
+    h.run()
+    h.check_outputs()  # no token after EOS, though the step after it was already planned
+    assert h.finish_reasons == {"a": "stop"} and h.outputs["a"][-1] == EOS
+    assert h.num_steps == len(h.outputs["a"]) + 2
 
 
 def test_fcfs_preempts_the_latest_request_and_requeues_it_first():
@@ -566,6 +606,7 @@ def workloads(draw, policy: str):
         max_num_batched_tokens=draw(st.integers(1, 24)),
         max_num_seqs=draw(st.integers(1, 4)),
         enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
+        async_scheduling=draw(st.booleans()),
         scheduling_policy=policy,
     )
     max_model_len = num_blocks * block_size  # every request fits the pool alone

@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from nanoinfer.model_runner.model_runner import ModelRunner, RunnerFuture
 
 JOIN_TIMEOUT_S = 10.0
-# A worker's connection drops a moment before the process can be reaped: how long to wait for that.
-DEATH_GRACE_S = 2.0
+# How long a failed collective waits for a worker to finish dying (its sockets close first).
+DEATH_GRACE_S = 5.0
 
 
 class WorkerDiedError(RuntimeError):
@@ -185,8 +185,11 @@ class TensorParallelDriver:
 
     def _dead_workers(self, wait_s: float = 0.0) -> list[str]:
         processes = self.workers.processes
-        if wait_s and processes and all(p.exitcode is None for p in processes):
-            multiprocessing.connection.wait([p.sentinel for p in processes], timeout=wait_s)
+        if wait_s and processes:
+            ready = set(multiprocessing.connection.wait([p.sentinel for p in processes], timeout=wait_s))
+            for process in processes:
+                if process.sentinel in ready:
+                    process.join()  # its pipe closes a moment before it can be reaped
         return [f"tensor-parallel worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
                 for rank, p in enumerate(processes, 1) if p.exitcode is not None]
 

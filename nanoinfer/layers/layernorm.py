@@ -6,6 +6,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoinfer.layers.fusion import fused
+
+
+@fused
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32; the scale is applied in the input dtype, as HF does."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+@fused
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight, x
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -16,11 +32,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalise `x` (or `x + residual`, returned as the new residual) over the last dim.
-        The statistics are taken in float32; the scale is applied in the input dtype, as HF does."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        x32 = x.float()
-        out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-        return out if residual is None else (out, residual)
+        """Normalise `x` (or `x + residual`, returned as the new residual) over the last dim."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

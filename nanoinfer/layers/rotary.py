@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanoinfer.layers.fusion import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -48,19 +50,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x1, x2 = x.view(shape[0], -1, self.head_dim).float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype).view(shape)
-
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; query/key: [T, heads * head_dim] -> rotated, same shapes (math in float32)."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+        return apply_rotary(positions, query, key, self.cos_cache, self.sin_cache, self.head_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    shape = x.shape
+    x1, x2 = x.view(shape[0], -1, head_dim).float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype).view(shape)
+
+
+@fused
+def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                 sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_cache[positions].unsqueeze(1)
+    sin = sin_cache[positions].unsqueeze(1)
+    return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
 
 
 def get_rope(head_dim: int, max_position: int, hf_config: Any) -> RotaryEmbedding:

@@ -16,10 +16,12 @@ from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed.parallel_state import tp_rank
 from nanoinfer.layers.attention import bind_kv_cache
+from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.outputs import ModelRunnerOutput, TokenLogprobs
+from nanoinfer.sample.metadata import to_device
 from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.scheduler.output import SchedulerOutput
 
@@ -41,6 +43,7 @@ class ModelRunner:
             backend = "triton" if device.type == "cuda" else "torch"
         self.attn_backend = get_attention_backend(backend)
         torch.manual_seed(config.seed)
+        set_fusion(device.type == "cuda" and not config.enforce_eager)
         load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
         self.model = load_model(model_path, hf_config, load_format, dtype, device)
         self.sampler = Sampler()
@@ -170,18 +173,15 @@ class ModelRunner:
         )
         input_ids_gpu = self._to_device(input_ids, torch.long)
         if pending:
-            dst, src = zip(*pending)
-            input_ids_gpu[list(dst)] = self.prev_sampled[list(src)]
+            dst, src = (self._to_device(np.array(x, dtype=np.int64), torch.long) for x in zip(*pending))
+            input_ids_gpu[dst] = self.prev_sampled[src]
         sample_states = [states[i] for i in sample_rows]
         output_index = [int(seq_lens[i]) - s.prompt_len for i, s in zip(sample_rows, sample_states)]
         return (input_ids_gpu, self._to_device(positions, torch.long), metadata,
                 self._to_device(logits_indices, torch.long), sample_states, output_index)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            tensor = tensor.pin_memory()  # so the copy really is asynchronous
-        return tensor.to(self.device, dtype, non_blocking=True)
+        return to_device(torch.from_numpy(array), self.device).to(dtype)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> "RunnerFuture | None":

@@ -78,7 +78,7 @@ class SamplingMetadata:
         all_greedy, all_random = all(greedy), not any(greedy)
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         def used(values: list[float], neutral: float) -> torch.Tensor | None:
             return None if all(v == neutral for v in values) else floats(values)
@@ -102,9 +102,9 @@ class SamplingMetadata:
             vocab_size=vocab_size,
             all_greedy=all_greedy,
             all_random=all_random,
-            is_greedy=None if all_greedy or all_random else torch.tensor(greedy, device=device),
+            is_greedy=None if all_greedy or all_random else to_device(torch.tensor(greedy), device),
             temperature=floats([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            top_k=torch.tensor(top_ks, dtype=torch.int64, device=device) if active_top_ks else None,
+            top_k=to_device(torch.tensor(top_ks, dtype=torch.int64), device) if active_top_ks else None,
             max_top_k=max(active_top_ks, default=0),
             top_p=used(top_ps, 1.0),
             min_p=used(min_ps, 0.0),
@@ -119,13 +119,21 @@ class SamplingMetadata:
         )
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without waiting for the device: a plain copy from pageable
+    memory synchronises the stream, which would undo async scheduling."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     """Right-pad token lists with `pad_id` (one past the vocabulary) into one tensor."""
     padded = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.int64)
     for i, row in enumerate(rows):
         if row:  # array() converts a list in C: about twice as fast as torch.tensor(list)
             padded[i, : len(row)] = torch.frombuffer(array("q", row), dtype=torch.int64)
-    return padded.to(device)
+    return to_device(padded, device)
 
 
 def _min_tokens_mask(
@@ -147,4 +155,4 @@ def _min_tokens_mask(
             cols.append(token_id)
     if not rows:
         return None
-    return torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(cols, dtype=torch.int64, device=device)
+    return to_device(torch.tensor(rows, dtype=torch.int64), device), to_device(torch.tensor(cols, dtype=torch.int64), device)

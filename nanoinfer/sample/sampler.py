@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoinfer.layers.fusion import fused
 from nanoinfer.sample.metadata import SamplingMetadata
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata"]
@@ -59,7 +60,7 @@ class Sampler(nn.Module):
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.min_tokens_mask is None:
         return logits
-    return logits.index_put(metadata.min_tokens_mask, torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put(metadata.min_tokens_mask, logits.new_full((), float("-inf")))
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -91,6 +92,9 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     greedy = None if metadata.all_random else logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy
+    if metadata.all_random and not metadata.generators and metadata.top_k is None and metadata.top_p is None \
+            and metadata.min_p is None:
+        return temperature_sample(logits, metadata.temperature)
     logits = logits / metadata.temperature[:, None]
     if metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
@@ -142,6 +146,14 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     # The CPU kernel can return exactly 0, and 0 / 0 = NaN would win the argmax.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
     return probs.div_(q).argmax(dim=-1)
+
+
+@fused
+def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The common case (no filters, no seeds) in one pass: argmax(softmax(l / T) / q)
+    equals argmax(l / T - log q), so no softmax is needed, and compiled it is one kernel."""
+    q = torch.empty_like(logits).exponential_().clamp_min(torch.finfo(logits.dtype).tiny)
+    return (logits / temperature[:, None] - q.log()).argmax(dim=-1)
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:

@@ -18,12 +18,13 @@ CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "nanoinfer", "confi
 
 @pytest.fixture(scope="module")
 def random_qwen3(tmp_path_factory) -> str:
-    """Qwen3-0.6B shape with transformers' random init (std 0.02): peaky enough logits
-    that greedy tokens are a meaningful comparison, unlike ±1e-3 dummy weights."""
+    """Qwen3-0.6B shape with random weights of std 0.1 (transformers' init with a larger
+    initializer_range): logits spread far enough that greedy tokens are a meaningful
+    comparison, unlike ±1e-3 dummy weights whose logits are near-ties everywhere."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = str(tmp_path_factory.mktemp("qwen3"))
-    config = AutoConfig.from_pretrained(CONFIG)
+    config = AutoConfig.from_pretrained(CONFIG, initializer_range=0.1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path, safe_serialization=True)

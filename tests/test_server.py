@@ -1,0 +1,425 @@
+"""The OpenAI-compatible server, end to end: a real `nanoinfer serve` process
+(a tiny random Llama with the SmolLM2 tokenizer) driven over HTTP by the
+official `openai` client and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import make_tiny_model
+from nanoinfer import LLM, SamplingParams
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "test-key"
+KV_BYTES = 16_000_000
+MAX_OUTPUT_TOKENS = 1000  # the server's n x max_tokens limit
+MAX_BODY = 100_000
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def core_pid(self) -> int:
+        """The engine-core child (not multiprocessing's resource tracker)."""
+        import psutil
+
+        return next(c.pid for c in psutil.Process(self.proc.pid).children()
+                    if any("spawn_main" in part for part in c.cmdline()))
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_server(log_path: str, model: str, *args: str, timeout: float = 180) -> Server:
+    """Start `nanoinfer serve` and wait until /health answers 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoinfer.cli", "serve", model, "--port", str(port), "--no-access-log",
+           "--kv-cache-memory-bytes", str(KV_BYTES), *args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"the server did not start in {timeout} s:\n{server.log()}")
+
+
+def tiny_model_with_smollm2_vocab(tmp_path_factory) -> str:
+    """A tiny random Llama over SmolLM2's vocabulary, made once per session (both server test files use it)."""
+    path = tmp_path_factory.getbasetemp() / "tiny_llama_smollm2_vocab"
+    if not (path / "config.json").exists():
+        make_tiny_model(str(path), "llama", vocab_size=49152)
+    return str(path)
+
+
+def metric_values(url: str, headers: dict | None = None) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics, keyed by (name, sorted labels without model_name)."""
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
+            values[(sample.name, labels)] = sample.value
+    return values
+
+
+def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+# ----- fixtures -----
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return tiny_model_with_smollm2_vocab(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(model_path, smollm2_path, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("server_log") / "server.log")
+    srv = launch_server(log, model_path, "--tokenizer", smollm2_path, "--api-key", API_KEY,
+                        "--served-model-name", "tiny", "other-name",
+                        "--max-output-tokens-per-request", str(MAX_OUTPUT_TOKENS),
+                        "--max-request-body-bytes", str(MAX_BODY))
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def offline(model_path, smollm2_path) -> LLM:
+    """The same model offline: the reference for greedy outputs."""
+    return LLM(model_path, tokenizer=smollm2_path, kv_cache_memory_bytes=KV_BYTES)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+# ----- basic endpoints -----
+
+
+def test_health_models_version(server, client):
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny", "other-name"]
+    version = httpx.get(f"{server.url}/version", headers=AUTH).json()
+    import nanoinfer
+
+    assert version == {"version": nanoinfer.__version__}
+
+
+def test_tokenize_detokenize(server, offline):
+    text = "Hello there, general Kenobi!"
+    tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": text}).json()
+    assert tokens["tokens"] == offline.tokenizer.encode(text)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 512
+    back = httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": tokens["tokens"]}).json()
+    assert back == {"prompt": text}
+    messages = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"messages": messages}).json()
+    assert chat["tokens"] == offline.apply_chat_template(messages)
+
+
+# ----- generation -----
+
+
+def test_completion_matches_offline(client, offline):
+    prompt = "The capital of France is"
+    ref = offline.generate(prompt, greedy(12, ignore_eos=True), use_tqdm=False)[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == "tiny"
+    assert out.choices[0].text == ref.outputs[0].text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == 12 and out.usage.total_tokens == 12 + len(ref.prompt_token_ids)
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert len(chunks) > 3  # really streamed
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_prompt_forms_and_echo(client, offline):
+    ids = offline.tokenizer.encode("Hello world")
+    params = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    by_text = client.completions.create(prompt="Hello world", **params).choices[0].text
+    assert client.completions.create(prompt=ids, **params).choices[0].text == by_text
+    many = client.completions.create(prompt=[ids, [5, 6, 7]], **params)
+    assert [c.index for c in many.choices] == [0, 1] and many.choices[0].text == by_text
+    assert many.usage.prompt_tokens == len(ids) + 3 and many.usage.completion_tokens == 8
+    texts = client.completions.create(prompt=["Hello world", "Bye"], n=2, **params)
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3]
+    echoed = client.completions.create(prompt="Hello world", echo=True, **params).choices[0].text
+    assert echoed == "Hello world" + by_text
+    stream = client.completions.create(prompt=["Hello world", "Bye"], echo=True, stream=True, **params)
+    texts = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0] == "Hello world" + by_text and texts[1].startswith("Bye")
+
+
+def test_chat_matches_offline(client, offline):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = offline.chat(messages, greedy(10, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    kw = dict(model="tiny", messages=messages, max_completion_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(**kw)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == ref
+    assert out.usage.prompt_tokens == len(offline.apply_chat_template(messages))
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_and_seed(client):
+    kw = dict(model="tiny", prompt="Random words:", max_tokens=8, temperature=1.0, n=3, seed=1234,
+              extra_body={"ignore_eos": True})
+    first = client.completions.create(**kw)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert len({c.text for c in first.choices}) > 1  # the children sample differently
+    assert first.usage.completion_tokens == 24
+    assert [c.text for c in client.completions.create(**kw).choices] == [c.text for c in first.choices]
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == [c.text for c in first.choices]
+
+
+def test_stop_strings(client):
+    kw = dict(model="tiny", prompt="The capital of France is", temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(max_tokens=16, **kw).choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = text[: text.index(stop)]
+    out = client.completions.create(max_tokens=16, stop=[stop], **kw).choices[0]
+    assert (out.text, out.finish_reason) == (cut, "stop")
+    assert out.model_extra["stop_reason"] == stop
+    chunks = list(client.completions.create(max_tokens=16, stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    kw["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
+    assert client.completions.create(max_tokens=16, stop=stop, **kw).choices[0].text == cut + stop
+
+
+def test_logprobs(client):
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=3,
+                                    extra_body={"ignore_eos": True}).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.text
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 3 <= len(top) <= 4 and value <= 0
+        assert top[token] == value == max(top.values())  # greedy picks the top token
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True}).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 4 and "".join(c.token for c in content) == chat.message.content
+    for c in content:
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == c.logprob
+        assert bytes(c.bytes).decode() == c.token
+
+
+def test_64_concurrent_streams_match_offline(server, offline):
+    prompts = [f"Request number {i} says:" + " word" * (i % 7) for i in range(64)]
+    refs = [o.outputs[0].text for o in offline.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)]
+
+    async def run() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(prompt: str) -> str:
+            stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                      stream=True, extra_body={"ignore_eos": True})
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == refs
+
+
+# ----- robustness -----
+
+
+def _abort_count(server) -> float:
+    return metric_values(server.url, AUTH).get(("nanoinfer:request_success_total", (("finished_reason", "abort"),)), 0)
+
+
+def _idle(server) -> bool:
+    values = metric_values(server.url, AUTH)
+    return values[("nanoinfer:num_requests_running", ())] == 0 and values[("nanoinfer:kv_cache_blocks_in_use", ())] == 0
+
+
+def test_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True}
+    aborts = _abort_count(server)
+    with httpx.Client(timeout=60, headers=AUTH) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True}) as response:
+            events = (line for line in response.iter_lines() if line.startswith("data: "))
+            for _ in range(3):
+                next(events)
+            values = metric_values(server.url, AUTH)
+            assert values[("nanoinfer:num_requests_running", ())] == 1
+            assert values[("nanoinfer:kv_cache_blocks_in_use", ())] >= 1
+    wait_for(lambda: _idle(server), what="the streaming request's blocks to be freed")
+    assert _abort_count(server) == aborts + 1
+    # A non-streaming client that gives up is noticed too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body, timeout=1.0)
+    wait_for(lambda: _abort_count(server) == aborts + 2, what="the non-streaming request to be aborted")
+    wait_for(lambda: _idle(server), what="the non-streaming request's blocks to be freed")
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
+    ("/v1/completions", b'{"prompt": "hi",', 400, None),
+    ("/v1/completions", b"\xff\xfe garbage", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi " * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 600}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/v1/nothing-here", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=30, **kw)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["code"] == status and error["message"]
+    assert "Traceback" not in response.text
+
+
+def test_auth_and_limits(server):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(f"{server.url}/v1/completions", headers=headers, json=body)
+        assert response.status_code == 401 and response.json()["error"]["code"] == 401
+    assert httpx.get(f"{server.url}/metrics").status_code == 401
+    assert httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body).status_code == 200
+    big = {"model": "tiny", "prompt": "x" * (MAX_BODY + 10)}
+    response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=big)
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+    assert httpx.get(f"{server.url}/v1/completions", headers=AUTH).status_code == 405
+
+
+def test_metrics_move(server, client):
+    def counters() -> dict:
+        values = metric_values(server.url, AUTH)
+        return {name: values.get((name, labels), 0) for name, labels in [
+            ("nanoinfer:request_success_total", (("finished_reason", "length"),)),
+            ("nanoinfer:prompt_tokens_total", ()), ("nanoinfer:generation_tokens_total", ()),
+            ("nanoinfer:time_to_first_token_seconds_count", ()), ("nanoinfer:e2e_request_latency_seconds_count", ()),
+            ("nanoinfer:inter_token_latency_seconds_count", ()), ("nanoinfer:request_queue_time_seconds_count", ()),
+            ("nanoinfer:prefix_cache_queries_total", ())]}
+
+    before = counters()
+    out = client.completions.create(model="tiny", prompt=[7, 8, 9, 10], max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    wait_for(lambda: counters()["nanoinfer:request_success_total"] == before["nanoinfer:request_success_total"] + 1)
+    delta = {k: v - before[k] for k, v in counters().items()}
+    assert delta == {"nanoinfer:request_success_total": 1, "nanoinfer:prompt_tokens_total": 4,
+                     "nanoinfer:generation_tokens_total": 6, "nanoinfer:time_to_first_token_seconds_count": 1,
+                     "nanoinfer:e2e_request_latency_seconds_count": 1, "nanoinfer:inter_token_latency_seconds_count": 5,
+                     "nanoinfer:request_queue_time_seconds_count": 1,
+                     "nanoinfer:prefix_cache_queries_total": delta["nanoinfer:prefix_cache_queries_total"]}
+    assert delta["nanoinfer:prefix_cache_queries_total"] >= 4  # the prompt was looked up
+    assert out.usage.completion_tokens == 6
+    names = {name for name, _ in metric_values(server.url, AUTH)}
+    for name in ("nanoinfer:num_requests_waiting", "nanoinfer:kv_cache_usage_perc", "nanoinfer:prefix_cache_hits_total",
+                 "nanoinfer:num_preemptions_total"):
+        assert name in names

@@ -1,0 +1,99 @@
+"""Server life cycle: the bounded waiting queue (503 + Retry-After), draining
+on SIGTERM, and failing fast when the engine-core process dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from test_server import launch_server, metric_values, tiny_model_with_smollm2_vocab, wait_for
+
+LONG = {"prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return tiny_model_with_smollm2_vocab(tmp_path_factory)
+
+
+def stream_events(url: str, body: dict, events: list, first_event: threading.Event) -> threading.Thread:
+    """Stream a completion in a thread, appending each decoded event ("[DONE]" kept as is)."""
+
+    def run() -> None:
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        data = line[len("data: "):]
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                        first_event.set()
+        first_event.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_queue_bound_then_sigterm_drain(model_path, smollm2_path, tmp_path):
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
+                           "--max-num-seqs", "1", "--max-num-waiting", "1", "--shutdown-timeout", "3")
+    core = psutil.Process(server.core_pid())
+    try:
+        running, waiting = [], []
+        started = threading.Event()
+        running_thread = stream_events(server.url, LONG, running, started)
+        assert started.wait(60) and isinstance(running[0], dict)  # generating: scheduled
+        queued = threading.Event()
+        waiting_thread = stream_events(server.url, LONG, waiting, queued)
+        # max_num_seqs=1: the second request waits, and the queue holds only one.
+        wait_for(lambda: metric_values(server.url)[("nanoinfer:num_requests_waiting", ())] == 1, what="a waiting request")
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"})
+        assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+        assert "waiting queue is full" in response.json()["error"]["message"]
+
+        server.proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, what="draining")
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert server.proc.wait(30) == 0, server.log()
+        assert time.monotonic() - sent < 3 + 10
+        running_thread.join(10)
+        waiting_thread.join(10)
+        for events in (running, waiting):  # each stream ended properly: finished, or aborted at the timeout
+            assert events[-1] == "[DONE]"
+            finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]]
+            assert finish[-1] in ("length", "abort") and all(f is None for f in finish[:-1])
+        wait_for(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, what="the core to exit")
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_core_death_fails_fast(model_path, smollm2_path, tmp_path):
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path)
+    try:
+        events: list = []
+        started = threading.Event()
+        thread = stream_events(server.url, LONG, events, started)
+        assert started.wait(60)
+        os.kill(server.core_pid(), signal.SIGKILL)
+        thread.join(30)
+        assert events[-1] == "[DONE]" and "engine core" in events[-2]["error"]["message"]  # the stream ends, not hangs
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "engine core process died" in health.json()["error"]["message"]
+        start = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert response.status_code == 503 and time.monotonic() - start < 2
+        assert response.json()["error"]["code"] == 503
+        assert server.stop(30) == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
