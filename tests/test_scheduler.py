@@ -523,8 +523,6 @@ def test_priority_policy_preempts_the_lowest_priority_request():
         h.check_outputs()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="priority victim already scheduled this step stays in the step's output")
 def test_priority_preemption_of_a_request_already_scheduled_this_step():
     """Running order a (low priority), b (high). a is scheduled, then b needs a block
     and the victim is a: a must leave the step's batch, not stay scheduled while the
@@ -661,8 +659,6 @@ def test_random_workloads_fcfs(workload):
     replay(*workload)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="priority victim already scheduled this step stays in the step's output")
 @settings(max_examples=600, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate])
 @given(workloads("priority"))
 def test_random_workloads_priority(workload):

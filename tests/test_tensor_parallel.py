@@ -88,18 +88,26 @@ def test_dummy_weights_are_the_same_model_for_every_tp_size(tmp_path, monkeypatc
     hf_config = get_hf_config(tmp_path)
     load = lambda: dict(load_model(None, hf_config, "dummy", torch.float32, "cpu").named_parameters())  # noqa: E731
     full = load()
-    layer = "model.layers.0."
     for rank in range(2):
         for module in (linear_module, embedding_module):
             monkeypatch.setattr(module, "tp_rank", lambda r=rank: r)
             monkeypatch.setattr(module, "tp_world_size", lambda: 2)
         shard = load()
-        rows = lambda name, *sizes: torch.cat([part[rank * s // 2 : (rank + 1) * s // 2]  # noqa: E731
-                                               for part, s in zip(full[name].split(sizes), sizes)])
+
+        def rows(name: str, *sizes: int) -> torch.Tensor:
+            """This rank's half of each fused part (q, k, v or gate, up), back to back."""
+            parts = full[name].split(sizes)
+            return torch.cat([part[rank * s // 2 : (rank + 1) * s // 2] for part, s in zip(parts, sizes)])
+
+        def columns(name: str) -> torch.Tensor:
+            half = full[name].shape[1] // 2
+            return full[name][:, rank * half : (rank + 1) * half]
+
+        layer = "model.layers.0."
         assert torch.equal(shard[layer + "self_attn.qkv_proj.weight"], rows(layer + "self_attn.qkv_proj.weight", 64, 32, 32))
         assert torch.equal(shard[layer + "mlp.gate_up_proj.weight"], rows(layer + "mlp.gate_up_proj.weight", 128, 128))
-        assert torch.equal(shard[layer + "self_attn.o_proj.weight"], full[layer + "self_attn.o_proj.weight"][:, rank * 32 : (rank + 1) * 32])
-        assert torch.equal(shard[layer + "mlp.down_proj.weight"], full[layer + "mlp.down_proj.weight"][:, rank * 64 : (rank + 1) * 64])
+        assert torch.equal(shard[layer + "self_attn.o_proj.weight"], columns(layer + "self_attn.o_proj.weight"))
+        assert torch.equal(shard[layer + "mlp.down_proj.weight"], columns(layer + "mlp.down_proj.weight"))
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             real = full[name][rank * 128 : (rank + 1) * 128]
             assert torch.equal(shard[name][: len(real)], real) and not shard[name][len(real) :].any()

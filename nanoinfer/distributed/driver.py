@@ -152,7 +152,8 @@ class TensorParallelDriver:
             self.workers.processes.append(process)
         # Wait for every worker to come up while watching for one that dies starting (e.g. a script without
         # an `if __name__ == "__main__":` guard, which the spawn start method needs).
-        keys, deadline = [ready_key(r) for r in range(1, world_size)], time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+        keys = [ready_key(r) for r in range(1, world_size)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
         while not store.check(keys):
             self._raise_if_worker_died()
             if time.monotonic() > deadline:

@@ -52,7 +52,8 @@ def split_cpu_threads(world_size: int) -> int:
     (about 20x slower on 2 cores)."""
     previous = torch.get_num_threads()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_ranks))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_ranks))
     return previous
 
 

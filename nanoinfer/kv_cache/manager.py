@@ -43,8 +43,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -68,6 +66,10 @@ class KVCacheManager:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        if self.enable_caching and request.num_computed_tokens == 0:
+            # Admission (first or after preemption): count the lookup once it succeeded.
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += num_new_computed_tokens
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_new_blocks)

@@ -208,8 +208,9 @@ class ModelRunner:
             return None
         sampling_metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in sample_states],
-            prompt_token_ids=[s.token_ids[: s.prompt_len] for s in sample_states],
-            output_token_ids=[s.token_ids[s.prompt_len :] for s in sample_states],
+            # Only penalties and min_tokens read the history: skip copying it otherwise.
+            prompt_token_ids=[s.token_ids[: s.prompt_len] if s.needs_history else [] for s in sample_states],
+            output_token_ids=[s.token_ids[s.prompt_len :] if s.needs_history else [] for s in sample_states],
             generators=[s.seeded_generator(i) for s, i in zip(sample_states, output_index)],
             stop_token_ids=[self._min_tokens_stop_ids(s) for s in sample_states],
             vocab_size=self.vocab_size,
@@ -236,7 +237,10 @@ class ModelRunner:
             self.requests[req_id].token_ids.append(token_id)
 
     def _min_tokens_stop_ids(self, state: CachedRequestState) -> set[int]:
+        """Token ids masked while the request is below min_tokens (none when min_tokens is 0)."""
         params = state.sampling_params
+        if params.min_tokens == 0:
+            return set()
         ids = set(params.stop_token_ids or ())
         return ids if params.ignore_eos else ids | self.eos_token_ids
 

@@ -106,6 +106,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
         preempted_any = False
+        if self.config.scheduling_policy == "priority":
+            # Most important first, so the victim (the last) is never a request already scheduled this step.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -118,7 +121,7 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
-                victim = self._pick_victim()
+                victim = self.running[-1]  # FCFS: the latest; priority: the least important
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
@@ -169,11 +172,6 @@ class Scheduler:
                 request.num_output_placeholders += 1
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
-
-    def _pick_victim(self) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, queue at the front."""

@@ -125,21 +125,20 @@ class CoreClient:
         self._output_task = asyncio.create_task(self._output_loop())
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core process (politely, then by signal) and release the sockets."""
+        """Stop the core process (asked to, then killed: it ignores SIGTERM) and release the sockets."""
         self._closing = True
         proc = self._proc
         if proc is not None:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
             if proc.is_alive():
                 self._send(MessageType.SHUTDOWN)
-            for stop, wait in ((None, timeout), (proc.terminate, 5.0), (proc.kill, 5.0)):
-                if stop is not None and proc.is_alive():
-                    logger.warning("the engine core did not exit in time: %s", stop.__name__)
-                    stop()
-                deadline = time.monotonic() + wait
-                while proc.is_alive() and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-            proc.join(0)
+            deadline = time.monotonic() + timeout
+            while proc.is_alive() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.is_alive():
+                logger.warning("the engine core did not exit within %.0f s; killing it", timeout)
+                proc.kill()
+            proc.join(5)
         if self._output_task is not None:
             self._output_task.cancel()
         self._ctx.destroy(linger=0)
@@ -227,11 +226,12 @@ class CoreClient:
             self.abort(stream)
 
     def _send(self, *frame) -> None:
-        if self.dead_reason is None:
-            try:
-                self._input.send(pack(*frame), zmq.NOBLOCK)
-            except zmq.Again:  # the core just died; its exit handler reports it
-                pass
+        if self.dead_reason is not None:
+            return
+        try:
+            self._input.send(pack(*frame), zmq.NOBLOCK)
+        except zmq.Again:  # no core connected: it died (and its exit is not handled yet)
+            self._die("the engine core process is not reachable")
 
     # ----- outputs back -----
 

@@ -113,9 +113,16 @@ class EngineCoreProc:
         self.ctx.destroy(linger=1000)  # long enough to deliver a last error message
 
 
+def _ignore_signal(signum, frame) -> None:
+    """Ctrl-C, and SIGTERM sent to the whole process group or cgroup, are meant for the
+    server: the API process drains, then tells the core to exit. (A handler, unlike
+    SIG_IGN, is not inherited by processes the core starts.)"""
+
+
 def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str) -> None:
     """Entry point of the spawned process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process decides
+    signal.signal(signal.SIGINT, _ignore_signal)
+    signal.signal(signal.SIGTERM, _ignore_signal)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     proc = EngineCoreProc(input_addr, output_addr)
     try:

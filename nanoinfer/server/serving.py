@@ -133,24 +133,15 @@ class OpenAIServing:
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = self._generate(request_id, req.prompts(), params, req, {})
-        base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_names[0]}
 
-        def choice(d: _Delta) -> dict:
+        def choice(d: _Delta, streaming: bool) -> dict:
             return {"index": d.index, "text": (self._prompt_text(d.output) if req.echo and d.first else "") + d.text,
                     "logprobs": None if d.logprobs is None else
                     self._completion_logprobs(d.token_ids, d.logprobs, d.text_offset),
                     "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
 
-        if req.stream:
-            events = self._events(stream, params.n, base, choice, req.include_usage)
-            return EventStreamResponse(events, lambda: self.client.abort(stream))
-        outputs = await self._collect(stream, raw)
-        if outputs is None:
-            return Response(status_code=499)
-        choices = [choice(_Delta(i * params.n + c.index, o, c, c.text, c.token_ids, c.logprobs, 0, True))
-                   for i, o in enumerate(outputs) for c in o.outputs]
-        return JSONResponse(base | {"choices": choices, "usage": _usage(outputs)})
+        return await self._respond(stream, raw, req, params.n, request_id, ("text_completion", "text_completion"),
+                                   choice)
 
     # ----- /v1/chat/completions -----
 
@@ -165,28 +156,16 @@ class OpenAIServing:
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = self._generate(request_id, [prompt], params, req, renames)
-        top_n = req.top_logprobs or 0
-        base = {"id": request_id, "created": int(time.time()), "model": self.model_names[0]}
 
-        def logprobs_of(d_token_ids: list[int], logprobs: list[dict[int, float]] | None) -> dict | None:
-            return None if logprobs is None else self._chat_logprobs(d_token_ids, logprobs, top_n)
+        def choice(d: _Delta, streaming: bool) -> dict:
+            message = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
+            return {"index": d.index, "delta" if streaming else "message": message,
+                    "logprobs": None if d.logprobs is None else
+                    self._chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0),
+                    "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
 
-        if req.stream:
-            def chunk_choice(d: _Delta) -> dict:
-                delta = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
-                return {"index": d.index, "delta": delta, "logprobs": logprobs_of(d.token_ids, d.logprobs),
-                        "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
-
-            events = self._events(stream, params.n, base | {"object": "chat.completion.chunk"}, chunk_choice,
-                                  req.include_usage)
-            return EventStreamResponse(events, lambda: self.client.abort(stream))
-        outputs = await self._collect(stream, raw)
-        if outputs is None:
-            return Response(status_code=499)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs_of(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in outputs[0].outputs]
-        return JSONResponse(base | {"object": "chat.completion", "choices": choices, "usage": _usage(outputs)})
+        return await self._respond(stream, raw, req, params.n, request_id, ("chat.completion.chunk", "chat.completion"),
+                                   choice)
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False) -> list[int]:
@@ -248,6 +227,22 @@ class OpenAIServing:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
         except OverflowError as e:
             raise ApiError(503, f"{e}; retry later", headers={"Retry-After": _RETRY_AFTER_SECONDS}) from None
+
+    async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, request_id: str,
+                       objects: tuple[str, str], render: Callable[[_Delta, bool], dict]) -> Response:
+        """Server-sent chunks of `render(delta, streaming=True)`, or one JSON response once all is done.
+        `objects`: the "object" field of a chunk and of a whole response."""
+        base = {"id": request_id, "created": int(time.time()), "model": self.model_names[0]}
+        if req.stream:
+            events = self._events(stream, n, base | {"object": objects[0]}, lambda d: render(d, True),
+                                  req.include_usage)
+            return EventStreamResponse(events, lambda: self.client.abort(stream))
+        outputs = await self._collect(stream, raw)
+        if outputs is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        choices = [render(_Delta(i * n + c.index, o, c, c.text, c.token_ids, c.logprobs, 0, True), False)
+                   for i, o in enumerate(outputs) for c in o.outputs]
+        return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)})
 
     async def _collect(self, stream: OutputStream, raw: Request) -> list[RequestOutput] | None:
         """The final outputs in prompt order; None if the client went away first (then it is aborted)."""

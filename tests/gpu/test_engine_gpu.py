@@ -5,6 +5,7 @@ Run on a GPU machine: `python -m pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 
@@ -43,6 +44,7 @@ def greedy_tokens(model: str, **engine_args) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
     del llm
+    gc.collect()  # engines hold reference cycles; free this one's memory before the next sizes itself
     torch.cuda.empty_cache()
     return outs
 
