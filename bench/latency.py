@@ -30,18 +30,21 @@ def main() -> None:
         prompt = [randint(0, 10000) for _ in range(args.input_len)]
         start = time.perf_counter()
         engine.add_request(f"lat{it}", prompt, params)
-        first = None
+        first, step_ends = None, []
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if first is None and out.outputs[0].token_ids:
                     first = time.perf_counter()
+            if len(step_ends) < 4:
+                step_ends.append(round((time.perf_counter() - start) * 1e3, 2))
         end = time.perf_counter()
         if it:
             ttfts.append(first - start)
             tpots.append((end - first) / (args.output_len - 1))
     report("latency", {"input_len": args.input_len, "output_len": args.output_len,
                        "ttft_ms": round(statistics.median(ttfts) * 1e3, 2),
-                       "tpot_ms": round(statistics.median(tpots) * 1e3, 3)}, args)
+                       "tpot_ms": round(statistics.median(tpots) * 1e3, 3),
+                       "first_step_ends_ms": step_ends}, args)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ def run_nanoinfer(args) -> dict:
     llm = LLM(**engine_kwargs(args))
     prompts, params = workload(args.num_seqs)
     llm.generate(["Benchmark warm-up"] if llm.tokenizer else [[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)
+    steps = _time_steps(llm.engine.core) if args.step_stats else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
@@ -35,7 +36,38 @@ def run_nanoinfer(args) -> dict:
     core = llm.engine.core
     return {"engine": "nanoinfer", "num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": round(elapsed, 3),
             "output_tok_per_s": round(tokens / elapsed, 1), "kv_blocks": core.num_blocks,
-            "preemptions": core.scheduler.num_preemptions}
+            "preemptions": core.scheduler.num_preemptions, **({"steps": _summarise(steps)} if steps is not None else {})}
+
+
+def _time_steps(core) -> list[tuple[bool, int, float]]:
+    """Wrap the core's step to record (decode-only?, requests, seconds) per step."""
+    records, schedule, step = [], core.scheduler.schedule, core.step
+
+    def timed_schedule():
+        out = schedule()
+        records.append([all(n == 1 for n in out.num_scheduled_tokens.values()), len(out.num_scheduled_tokens), 0.0])
+        return out
+
+    def timed_step():
+        t = time.perf_counter()
+        result = step()
+        records[-1][2] = time.perf_counter() - t
+        return result
+
+    core.scheduler.schedule, core.step = timed_schedule, timed_step
+    return records
+
+
+def _summarise(records) -> dict:
+    decode = [r for r in records if r[0] and r[1]]
+    mixed = [r for r in records if not r[0]]
+    by_batch = {}
+    for lo, hi in ((1, 16), (17, 64), (65, 192), (193, 256)):
+        sel = [r[2] for r in decode if lo <= r[1] <= hi]
+        if sel:
+            by_batch[f"{lo}-{hi}"] = {"steps": len(sel), "ms_per_step": round(1e3 * sum(sel) / len(sel), 3)}
+    return {"decode_steps": len(decode), "decode_s": round(sum(r[2] for r in decode), 3), "mixed_steps": len(mixed),
+            "mixed_s": round(sum(r[2] for r in mixed), 3), "decode_by_batch": by_batch}
 
 
 def run_hf_peer(args) -> dict:
@@ -71,6 +103,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--no-tqdm", action="store_true")
+    p.add_argument("--step-stats", action="store_true", help="time every engine step (decode-only vs mixed)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run a peer engine in the same run")
     p.add_argument("--peer-num-seqs", type=int, default=256, help="requests given to the peer (it is slow)")
     p.add_argument("--peer-attn", default="paged|sdpa", help="transformers attn_implementation for the peer")

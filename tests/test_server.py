@@ -209,6 +209,8 @@ def test_prompt_forms_and_echo(client, offline):
     assert many.usage.prompt_tokens == len(ids) + 3 and many.usage.completion_tokens == 8
     texts = client.completions.create(prompt=["Hello world", "Bye"], n=2, **params)
     assert [c.index for c in texts.choices] == [0, 1, 2, 3]
+    salted = dict(params, extra_body={"ignore_eos": True, "cache_salt": "tenant-1", "priority": 3})
+    assert client.completions.create(prompt="Hello world", **salted).choices[0].text == by_text
     echoed = client.completions.create(prompt="Hello world", echo=True, **params).choices[0].text
     assert echoed == "Hello world" + by_text
     stream = client.completions.create(prompt=["Hello world", "Bye"], echo=True, stream=True, **params)
@@ -395,6 +397,30 @@ def test_auth_and_limits(server):
     response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=big)
     assert response.status_code == 413 and response.json()["error"]["code"] == 413
     assert httpx.get(f"{server.url}/v1/completions", headers=AUTH).status_code == 405
+
+
+def test_unexpected_errors_are_500_without_internals():
+    """In-process: a bug in a handler becomes an OpenAI-style 500 that reveals nothing."""
+    from types import SimpleNamespace
+
+    from nanoinfer.server.api_server import ServeOptions, build_app
+
+    class Broken:
+        accepting = True
+
+        async def create_completion(self, req, raw):
+            raise RuntimeError("secret internals")
+
+    app = build_app(SimpleNamespace(check_alive=lambda: None), Broken(), ServeOptions())
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post("/v1/completions", json={"prompt": "hi"})
+
+    response = asyncio.run(post())
+    assert response.status_code == 500 and response.json()["error"]["code"] == 500
+    assert "secret" not in response.text and "Traceback" not in response.text
 
 
 def test_metrics_move(server, client):

@@ -128,7 +128,7 @@ def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference) -> None:
         assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
         worker = llm.engine.core.tp_driver.workers.processes[0]
     finally:
-        llm.engine.core.close()
+        llm.close()
     assert worker.exitcode == 0  # told to stop, it left its loop cleanly
 
 
@@ -140,7 +140,7 @@ def test_tp3_equals_tp1_on_smollm2() -> None:
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(), use_tqdm=False)] == reference
     finally:
-        llm.engine.core.close()
+        llm.close()
 
 
 def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
@@ -169,7 +169,7 @@ def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
         with pytest.raises(RuntimeError, match="stopped after an earlier error: tensor-parallel worker rank 1"):
             llm.engine.step()
     finally:
-        llm.engine.core.close()
+        llm.close()
 
 
 def _free_port() -> int:

@@ -21,7 +21,7 @@ class MessageType(enum.IntEnum):
     ABORT = 1  # [ABORT, child ids, RequestStatus]: client gone, stop string, shutdown
     SHUTDOWN = 2  # [SHUTDOWN]
     # core -> API
-    READY = 3  # [READY, limits dict]
+    READY = 3  # [READY, EngineLimits as a dict, number of KV blocks]
     OUTPUTS = 4  # [OUTPUTS, outputs, [[child id, queue seconds], ...], stats dict]
     ERROR = 5  # [ERROR, message]: the core is about to exit
 
