@@ -26,6 +26,7 @@ from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
+_NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 
 
 class ModelRunner:
@@ -129,36 +130,43 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState.from_new(new, self.device)
         for cached in scheduler_output.cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            if cached.new_block_ids:
+                state.block_ids = np.concatenate([state.block_ids, np.asarray(cached.new_block_ids, dtype=np.int32)])
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        counts = np.fromiter(scheduler_output.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        states = [self.requests[r] for r in req_ids]
-        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
-        seq_lens = starts + counts
-        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        states = [self.requests[r] for r in scheduler_output.num_scheduled_tokens]
+        counts_list = list(scheduler_output.num_scheduled_tokens.values())
+        # One pass in plain Python ints (cheaper than numpy scalars at a few hundred requests).
+        token_ids: list[int] = []
+        starts: list[int] = []
+        pending: list[tuple[int, int]] = []  # (input row, row in the previous step's sampled tensor)
+        sample_rows: list[int] = []  # requests whose known (or in-flight) tokens are now all computed
+        for i, (s, n) in enumerate(zip(states, counts_list)):
+            begin, end, known = s.num_computed_tokens, s.num_computed_tokens + n, len(s.token_ids)
+            starts.append(begin)
+            if end > known:  # its newest token is still on the device (async scheduling)
+                token_ids.extend(s.token_ids[begin:known])
+                token_ids.append(0)
+                pending.append((len(token_ids) - 1, self.prev_rows[s.req_id]))
+            else:
+                token_ids.extend(s.token_ids[begin:end])
+            if end >= known:
+                sample_rows.append(i)
+        counts = np.array(counts_list, dtype=np.int64)
+        seq_lens = np.array(starts, dtype=np.int64) + counts
+        query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
         # positions[t] = start of its request + offset within the request's chunk
         offsets = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1], counts)
-        positions = np.repeat(starts, counts) + offsets
-        # A request whose newest token is still on the GPU (async scheduling) takes
-        # it from the previous step's sampled tensor: remember where it goes.
-        pending = [(int(query_start_loc[i + 1]) - 1, self.prev_rows[s.req_id])
-                   for i, s in enumerate(states) if seq_lens[i] > len(s.token_ids)]
-        input_ids = np.concatenate([np.asarray(s.token_ids[b:e] + [0] * (e - len(s.token_ids)), dtype=np.int64)
-                                    if e > len(s.token_ids) else np.asarray(s.token_ids[b:e], dtype=np.int64)
-                                    for s, b, e in zip(states, starts.tolist(), seq_lens.tolist())])
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_tables = np.zeros((len(states), max_blocks), dtype=np.int32)
+        positions = np.repeat(seq_lens - counts, counts) + offsets
+        input_ids = np.array(token_ids, dtype=np.int64)
+        block_tables = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int32)
         for i, s in enumerate(states):
             block_tables[i, : len(s.block_ids)] = s.block_ids
         row = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
-        # Requests whose known (or in-flight) tokens are now all computed get a sampled token.
-        sample_rows = [i for i, s in enumerate(states) if seq_lens[i] >= len(s.token_ids)]
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
         metadata = AttentionMetadata(
@@ -181,7 +189,8 @@ class ModelRunner:
                 self._to_device(logits_indices, torch.long), sample_states, output_index)
 
     def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(torch.from_numpy(array), self.device).to(dtype)
+        """Cast on the host (no extra device kernel), copy without waiting for the device."""
+        return to_device(torch.from_numpy(array.astype(_NUMPY_DTYPES[dtype], copy=False)), self.device)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> "RunnerFuture | None":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoinfer.sampling_params import SamplingParams
@@ -17,7 +18,7 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + outputs; the runner appends what it samples
     prompt_len: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: np.ndarray  # int32: copied into the step's block table without a list conversion
     num_computed_tokens: int
     generator: torch.Generator | None
 
@@ -26,7 +27,8 @@ class CachedRequestState:
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=device)
-        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, new.sampling_params, list(new.block_ids),
+        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, new.sampling_params,
+                   np.asarray(new.block_ids, dtype=np.int32),
                    new.num_computed_tokens, generator)
 
     def seeded_generator(self, output_index: int) -> torch.Generator | None:
