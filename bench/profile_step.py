@@ -20,6 +20,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prefill", action="store_true", help="profile the first (prefill) steps instead of decode")
     args = p.parse_args()
     import torch
 
@@ -30,6 +31,25 @@ def main() -> None:
     params = SamplingParams(temperature=0.6, max_tokens=10_000 if args.max_model_len is None else args.max_model_len - args.context - 1, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [(i * 7 + j) % 10000 for j in range(args.context)], params)
+    if args.prefill:
+        import torch
+        torch.cuda.synchronize()
+        for k in range(4):
+            start = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            print(f"prefill step {k}: {(time.perf_counter() - start) * 1e3:.1f} ms")
+        prof = cProfile.Profile()
+        prof.enable()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as tp:
+            engine.step()
+            torch.cuda.synchronize()
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(15)
+        print(s.getvalue()[:4000])
+        print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+        return
     while len(engine.core.scheduler.waiting) or any(r.num_output_tokens == 0 for r in engine.core.scheduler.running):
         engine.step()
     for _ in range(5):

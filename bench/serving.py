@@ -74,7 +74,9 @@ async def send_request(http: httpx.AsyncClient, url: str, body: dict, headers: d
 
 async def run_benchmark(args: argparse.Namespace, url: str, headers: dict) -> tuple[list[RequestResult], float]:
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(args.vocab_size) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    # One more than asked: the warm-up request's own, so it leaves no prefix-cache hits behind.
+    *prompts, warmup_prompt = [[rng.randrange(args.vocab_size) for _ in range(args.input_len)]
+                               for _ in range(args.num_prompts + 1)]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as http:
         model = args.model or (await http.get(f"{url}/v1/models", headers=headers)).json()["data"][0]["id"]
@@ -83,7 +85,7 @@ async def run_benchmark(args: argparse.Namespace, url: str, headers: dict) -> tu
             return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                     "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
 
-        warmup = await send_request(http, url, body(prompts[0], 4), headers)
+        warmup = await send_request(http, url, body(warmup_prompt, 4), headers)
         if not warmup.ok:
             raise RuntimeError(f"the warm-up request failed: {warmup.error}")
         semaphore = asyncio.Semaphore(args.max_concurrency or len(prompts))
