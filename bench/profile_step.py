@@ -32,7 +32,6 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [(i * 7 + j) % 10000 for j in range(args.context)], params)
     if args.prefill:
-        import torch
         torch.cuda.synchronize()
         for k in range(4):
             start = time.perf_counter()

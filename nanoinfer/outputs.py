@@ -22,6 +22,8 @@ class ModelRunnerOutput:
     req_ids: list[str]  # requests that produced a token this step (partial prefills did not)
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Requests whose sampling raised, with why: they end with finish_reason "error", the rest go on.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

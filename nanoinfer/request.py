@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # this request failed (its sampling or detokenization raised); others go on
 
     @property
     def is_finished(self) -> bool:
@@ -27,7 +28,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
 
 
 class Request:

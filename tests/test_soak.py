@@ -24,10 +24,10 @@ from nanoinfer import LLM  # noqa: E402
 NUM_KV_BLOCKS = 40  # 640 tokens: far less than 24 clients ask for at once
 MAX_BODY, MAX_OUTPUT_TOKENS = 100_000, 2048
 CONCURRENCY = 24
-WARMUP_REQUESTS, SOAK_REQUESTS = 80, 240
+WARMUP_REQUESTS, SOAK_REQUESTS = 60, 200
 # Server + core RSS may grow this much between the end of the warm-up and the end of the soak
-# (allocator noise, caches that fill once); a per-request leak of a few KiB over 240 requests
-# of ~50 tokens would not fit, one of the prompt tensors or token lists would.
+# (allocator noise, caches that fill once); a per-request leak of a few KiB over 200 requests
+# of ~30 tokens would not fit, one of the prompt tensors or token lists would.
 MAX_RSS_GROWTH = 48 << 20
 
 
@@ -58,7 +58,7 @@ def test_soak(model_path, smollm2_path, tmp_path):
         if server.proc.poll() is None:
             server.proc.kill()
 
-    llm = LLM(model_path, tokenizer=smollm2_path)
+    llm = LLM(model_path, tokenizer=smollm2_path, num_kv_blocks=512)
     problems = check(jobs, outcomes, references(llm, jobs))
     summary = summarize(jobs, outcomes, problems, before, after, 1.0)
     print(summary | {"rss_growth_mib": (rss_end - rss_warm) / 2**20})

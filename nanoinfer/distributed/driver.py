@@ -161,14 +161,15 @@ class TensorParallelDriver:
             time.sleep(0.05)
         init_tensor_parallel(0, world_size, 0, store)
 
-    def attach(self, runner: ModelRunner, num_blocks: int) -> int:
-        """Rank 0's runner is built: agree on the number of KV blocks with the workers (each sizes its
-        own budget; the smallest wins). From here on the workers follow every step."""
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """Agree on the number of KV blocks with the workers (each sizes its own budget; the smallest wins)."""
         with self._guard():
-            num_blocks = tp_min(num_blocks)
+            return tp_min(num_blocks)
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Rank 0's runner is built; from here on the workers follow every step."""
         self.runner = runner
         self.workers.serving = True
-        return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
         """Send the step (and last step's sampled tokens) to the workers, then run rank 0's part.

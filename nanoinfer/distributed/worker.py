@@ -58,21 +58,17 @@ class StepMessage:
 
 
 def build_worker_runner(config: EngineConfig) -> ModelRunner:
-    """This rank's model runner, built as EngineCore builds rank 0's (keep the two in step: the same
-    collectives in the same order), with the KV cache size every rank agrees on."""
+    """This rank's model runner, built as EngineCore builds rank 0's, with the KV cache size every
+    rank agrees on."""
     from nanoinfer.engine.core import resolve_device_and_dtype
     from nanoinfer.loader.resolve import resolve_model
-    from nanoinfer.model_runner.model_runner import ModelRunner
+    from nanoinfer.model_runner.model_runner import start_model_runner
 
     if config.device == "cpu":
         split_cpu_threads(config.tensor_parallel_size)
     source = resolve_model(config)
     device, dtype = resolve_device_and_dtype(config, source.hf_config)
-    runner = ModelRunner(config, source.hf_config, source.model_path, device, dtype, source.eos_token_ids,
-                         config.tensor_parallel_size)
-    runner.initialize_kv_cache(tp_min(runner.num_kv_blocks_for_budget()))
-    runner.capture_cuda_graphs(source.max_model_len)
-    return runner
+    return start_model_runner(config, source, device, dtype, tp_min)
 
 
 def run_worker(rank: int, world_size: int, local_rank: int, store: dist.Store | None = None) -> None:

@@ -46,27 +46,26 @@ class SchedulerStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
-        from nanoinfer.model_runner.model_runner import ModelRunner
+        from nanoinfer.model_runner.model_runner import start_model_runner
 
         self.config = config
         self.source = source or resolve_model(config)
         hf_config = self.source.hf_config
         self.max_model_len = self.source.max_model_len
         self.device, self.dtype = resolve_device_and_dtype(config, hf_config)
-        # TP: this process is rank 0; the driver starts the workers, which then mirror the lines below
-        # (nanoinfer/distributed/worker.py: build_worker_runner).
+        # TP: this process is rank 0; the driver starts the workers, which build their runners
+        # with the same start_model_runner.
         self.tp_driver = None
         if config.tensor_parallel_size > 1:
             from nanoinfer.distributed.driver import TensorParallelDriver
 
             self.tp_driver = TensorParallelDriver(config, hf_config, self.device)
-        self.runner = ModelRunner(config, hf_config, self.source.model_path, self.device, self.dtype,
-                                  self.source.eos_token_ids, config.tensor_parallel_size)
-        self.num_blocks = self.runner.num_kv_blocks_for_budget()
-        if self.tp_driver is not None:
-            self.num_blocks = self.tp_driver.attach(self.runner, self.num_blocks)
-        self.runner.initialize_kv_cache(self.num_blocks)
-        self.runner.capture_cuda_graphs(self.max_model_len)
+            self.runner = start_model_runner(config, self.source, self.device, self.dtype,
+                                             self.tp_driver.agree_num_blocks)
+            self.tp_driver.attach(self.runner)
+        else:
+            self.runner = start_model_runner(config, self.source, self.device, self.dtype)
+        self.num_blocks = self.runner.num_blocks
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * self.runner.kv_block_bytes / 2**30, self.dtype, self.device)

@@ -55,6 +55,11 @@ class InputProcessor:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an integer, got {priority!r}")
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must fit in 64 bits, got {priority}")
+        bad = [t for t in params.stop_token_ids if t >= self.limits.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
         token_ids = self.tokenize(prompt)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         arrival = time.monotonic()

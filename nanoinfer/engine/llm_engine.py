@@ -72,5 +72,5 @@ class LLMEngine:
         finished ones if `final_only`)."""
         outputs, stopped = self.output_processor.process_outputs(self.core.step(), final_only)
         if stopped:
-            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            self.core.abort_requests(list(stopped), RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -3,11 +3,14 @@ assembling each user request's `RequestOutput` from its child requests."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoinfer")
 
 
 def logprobs_dict(lp: TokenLogprobs) -> dict[int, float]:
@@ -62,13 +65,15 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], final_only: bool = False) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        final_only: bool = False) -> tuple[list[RequestOutput], dict[str, str]]:
         """Returns the updated requests' outputs (only finished ones if `final_only`:
         building an output copies its tokens, which offline generation need not
-        pay every step) and the child ids a stop string finished (the caller must
-        stop them in the core)."""
+        pay every step) and the children finished here, with their finish reason:
+        "stop" for a stop string, "error" when detokenizing raised (the caller
+        must end them in the core)."""
         touched: dict[str, ParentState] = {}
-        stopped: list[str] = []
+        stopped: dict[str, str] = {}
         for out in outputs:
             parent_id = self.child_to_parent.get(out.request_id)
             if parent_id is None:
@@ -83,10 +88,16 @@ class OutputProcessor:
                 child.logprobs.extend(logprobs_dict(lp) for lp in out.new_logprobs if lp is not None)
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
-                stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+                try:
+                    stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+                except Exception:  # fail this request only, never the batch
+                    logger.exception("detokenizing request %s failed: it ends with finish_reason 'error'", out.request_id)
+                    child.finish_reason, child.stop_reason, stop_str = "error", None, None
+                    if out.finish_reason is None:
+                        stopped[out.request_id] = "error"
                 if stop_str is not None and child.finish_reason is None:
                     child.finish_reason, child.stop_reason = "stop", stop_str
-                    stopped.append(out.request_id)
+                    stopped[out.request_id] = "stop"
             touched[parent_id] = parent
         return [self._make_output(p) for p in touched.values() if not final_only or p.finished], stopped
 

@@ -7,6 +7,7 @@ it sampled for requests whose known tokens are all computed."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.outputs import ModelRunnerOutput, TokenLogprobs
 from nanoinfer.sample.metadata import to_device
-from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, temperature_sample
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
@@ -109,6 +110,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """The one preallocated KV tensor: [2, layers, blocks, block_size, kv_heads, head_dim]."""
+        self.num_blocks = num_blocks
         self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
                                     self.head_dim, dtype=self.dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn_backend)
@@ -120,6 +122,23 @@ class ModelRunner:
         self.cuda_graphs = CUDAGraphRunner(self.model, self.hf_config.hidden_size, self.dtype, self.device,
                                            self.config.max_num_seqs, max_model_len, self.block_size)
         self.cuda_graphs.capture()
+        self._compile_eager_variants()
+
+    @torch.inference_mode()
+    def _compile_eager_variants(self) -> None:
+        """Compile now what the first requests would otherwise pay for mid-run: the
+        prefill kernel's tile variants (one per power-of-two query length up to its
+        widest tile) and the fused sampler at batch 1 and 2 (torch.compile specialises
+        size 1). Writes only into KV blocks that hold no request yet."""
+        for num_tokens in (2, 4, 8, 16, 32, 64, 128):
+            metadata = self._metadata_for_single_sequence(num_tokens)
+            with set_forward_context(metadata):
+                self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                           torch.arange(num_tokens, device=self.device))
+        for batch in (1, 2):
+            temperature_sample(torch.zeros(batch, self.vocab_size, device=self.device),
+                               torch.ones(batch, device=self.device))
+        torch.cuda.synchronize()
 
     # ----- one step -----
 
@@ -215,21 +234,43 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[logits_indices])
         if tp_rank() != 0:  # TP workers: rank 0 samples and sends the tokens (add_sampled_tokens)
             return None
-        sampling_metadata = SamplingMetadata.build(
-            params=[s.sampling_params for s in sample_states],
+        sampled, errors = self._sample(logits, sample_states, output_index)
+        self.prev_sampled = sampled.sampled_token_ids
+        self.prev_rows = {s.req_id: i for i, s in enumerate(sample_states)}
+        self.last_future = RunnerFuture(self, sample_states, sampled, self._copy_to_host(sampled.sampled_token_ids),
+                                        errors)
+        return self.last_future
+
+    def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
+                output_index: list[int]) -> tuple[SamplerOutput, dict[str, str]]:
+        """Sample the batch. If that raises, sample row by row, so that only the
+        requests whose own sampling raises fail (`errors`: req_id -> why), not the engine."""
+        try:
+            return self.sampler(logits, self._sampling_metadata(states, output_index)), {}
+        except Exception:
+            logger.exception("sampling a batch of %d requests failed; sampling them one by one", len(states))
+        rows: list[SamplerOutput | None] = []
+        errors: dict[str, str] = {}
+        for i, state in enumerate(states):
+            try:
+                rows.append(self.sampler(logits[i : i + 1], self._sampling_metadata([state], output_index[i : i + 1])))
+            except Exception as e:
+                logger.exception("sampling request %s failed: it ends with finish_reason 'error'", state.req_id)
+                errors[state.req_id] = f"{type(e).__name__}: {e}"
+                rows.append(None)
+        return _stack_rows(rows, self.device), errors
+
+    def _sampling_metadata(self, states: list[CachedRequestState], output_index: list[int]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
             # Only penalties and min_tokens read the history: skip copying it otherwise.
-            prompt_token_ids=[s.token_ids[: s.prompt_len] if s.needs_history else [] for s in sample_states],
-            output_token_ids=[s.token_ids[s.prompt_len :] if s.needs_history else [] for s in sample_states],
-            generators=[s.seeded_generator(i) for s, i in zip(sample_states, output_index)],
-            stop_token_ids=[self._min_tokens_stop_ids(s) for s in sample_states],
+            prompt_token_ids=[s.token_ids[: s.prompt_len] if s.needs_history else [] for s in states],
+            output_token_ids=[s.token_ids[s.prompt_len :] if s.needs_history else [] for s in states],
+            generators=[s.seeded_generator(i) for s, i in zip(states, output_index)],
+            stop_token_ids=[self._min_tokens_stop_ids(s) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
         )
-        sampled = self.sampler(logits, sampling_metadata)
-        self.prev_sampled = sampled.sampled_token_ids
-        self.prev_rows = {s.req_id: i for i, s in enumerate(sample_states)}
-        self.last_future = RunnerFuture(self, sample_states, sampled, self._copy_to_host(sampled.sampled_token_ids))
-        return self.last_future
 
     def _copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if self.device.type != "cuda":
@@ -268,12 +309,34 @@ class ModelRunner:
         return result
 
 
+def _stack_rows(rows: list[SamplerOutput | None], device: torch.device) -> SamplerOutput:
+    """One batch output from per-row ones. A failed row (None) gets token 0 and
+    zero logprobs, which nobody reads: its request ends with an error."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    token_ids = torch.cat([zero if r is None else r.sampled_token_ids for r in rows])
+    logprobs = [None if r is None else r.logprobs for r in rows]
+    if all(lp is None for lp in logprobs):
+        return SamplerOutput(token_ids, None)
+    width = max(lp.logprobs.shape[1] for lp in logprobs if lp is not None)
+
+    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([torch.zeros(1, width, dtype=dtype, device=device) if lp is None else
+                          torch.nn.functional.pad(getattr(lp, name), (0, width - getattr(lp, name).shape[1]))
+                          for lp in logprobs])
+
+    ranks = torch.cat([zero if lp is None else lp.selected_token_ranks for lp in logprobs])
+    return SamplerOutput(token_ids, LogprobsTensors(column("logprob_token_ids", torch.long),
+                                                    column("logprobs", torch.float32), ranks))
+
+
 class RunnerFuture:
     """The sampled tokens of one launched step; `result()` waits for them (once)."""
 
     def __init__(self, runner: ModelRunner, states: list[CachedRequestState], sampled: SamplerOutput | None,
-                 host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None) -> None:
+                 host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
+                 errors: dict[str, str] | None = None) -> None:
         self.runner, self.states, self.sampled, self.host_copy = runner, states, sampled, host_copy
+        self.errors = errors or {}
         self._output: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -288,5 +351,17 @@ class RunnerFuture:
             for state, token_id in zip(self.states, token_ids):
                 state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
-                                             self.runner._logprobs_to_lists(self.sampled, self.states))
+                                             self.runner._logprobs_to_lists(self.sampled, self.states), self.errors)
         return self._output
+
+
+def start_model_runner(config: EngineConfig, source, device: torch.device, dtype: torch.dtype,
+                       agree_num_blocks: Callable[[int], int] = lambda n: n) -> ModelRunner:
+    """Build a runner, size and allocate its KV cache, capture its CUDA graphs. Every
+    tensor-parallel rank runs exactly this, so the collectives inside (profiling,
+    agreeing on the block count, graph warm-up) happen in the same order everywhere."""
+    runner = ModelRunner(config, source.hf_config, source.model_path, device, dtype, source.eos_token_ids,
+                         config.tensor_parallel_size)
+    runner.initialize_kv_cache(agree_num_blocks(runner.num_kv_blocks_for_budget()))
+    runner.capture_cuda_graphs(source.max_model_len)
+    return runner

@@ -193,13 +193,17 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while its step ran
             request.num_output_placeholders -= 1
-            request.append_output_token_ids([token_id])
-            finished = request.check_stop(self.max_model_len)
+            failed = req_id in output.errors
+            if failed:
+                request.status = RequestStatus.FINISHED_ERROR
+            else:
+                request.append_output_token_ids([token_id])
+            finished = failed or request.check_stop(self.max_model_len)
             results.append(
                 EngineCoreOutput(
                     request_id=req_id,
-                    new_token_ids=[token_id],
-                    new_logprobs=[logprobs],
+                    new_token_ids=[] if failed else [token_id],
+                    new_logprobs=[] if failed else [logprobs],
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),

@@ -1,0 +1,68 @@
+"""A truthful /openapi.json. The routes read their bodies themselves (the size
+limit is enforced before parsing), so FastAPI sees neither the request bodies
+nor the errors: this declares each operation's body (the pydantic models'
+JSON schemas), its success content types, and every error status it can
+answer, in the `{"error": {...}}` shape."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from nanoinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
+}
+_JSON = {"application/json": {"schema": {"type": "object"}}}
+_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+_DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+                 413: "request body too large", 500: "the request failed inside the engine (see the server log)",
+                 503: "waiting queue full, shutting down, or engine core dead"}
+# path -> (request body, content of a 200, error statuses besides 401)
+_OPERATIONS: dict[str, tuple[type[BaseModel] | None, dict | None, tuple[int, ...]]] = {
+    "/health": (None, None, (503,)),
+    "/version": (None, _JSON, ()),
+    "/v1/models": (None, _JSON, ()),
+    "/metrics": (None, _TEXT, ()),
+    "/tokenize": (TokenizeRequest, _JSON, (400, 404, 413)),
+    "/detokenize": (DetokenizeRequest, _JSON, (400, 404, 413)),
+    "/v1/completions": (CompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
+    "/v1/chat/completions": (ChatCompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
+}
+
+
+def document_api(app: FastAPI, public_paths: tuple[str, ...]) -> None:
+    """Replace the app's generated schema; `public_paths` need no API key (no 401)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components["ErrorResponse"] = _ERROR
+        for path, item in schema["paths"].items():
+            body, content, errors = _OPERATIONS[path]
+            statuses = errors if path in public_paths else (401, *errors)
+            for operation in item.values():
+                responses = {"200": {"description": "OK"} | ({"content": content} if content else {})}
+                for status in sorted(statuses):
+                    responses[str(status)] = {"description": _DESCRIPTIONS[status], "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+                operation["responses"] = responses
+                if body is not None:
+                    model_schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+                    components.update(model_schema.pop("$defs", {}))
+                    components[body.__name__] = model_schema
+                    operation["requestBody"] = {"required": True, "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
