@@ -121,12 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    try:
-        from nanoinfer.server.cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub)
+    from nanoinfer.server.cli import add_serve_parser  # light: the server's heavy imports happen on `serve`
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,50 @@
+"""The command line: `nanoinfer generate` streams text, `chat` answers on stdin,
+`--help` lists every engine argument, bad input exits with a clear message."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+from nanoinfer.config import EngineConfig
+
+CLI = [sys.executable, "-m", "nanoinfer.cli"]
+SMALL = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "512"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def run(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + args, input=stdin, capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def test_help_lists_every_engine_argument() -> None:
+    out = run(["generate", "--help"]).stdout
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in out
+
+
+def test_generate_streams_greedy_text(smollm2_path) -> None:
+    from nanoinfer import LLM, SamplingParams
+
+    proc = run(["generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0", *SMALL])
+    assert proc.returncode == 0, proc.stderr
+    expected = LLM(kv_cache_memory_bytes=32 << 20, max_model_len=512).generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    assert proc.stdout.strip() == expected.strip()
+
+
+def test_chat_reads_stdin(smollm2_path) -> None:
+    proc = run(["chat", "--max-tokens", "6", "--temperature", "0", *SMALL], stdin="Hi!\n\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_bad_input_exits_with_message(tmp_path) -> None:
+    proc = run(["generate", "x", "--model", str(tmp_path / "missing")])
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = run(["generate", "x", "--max-tokens", "0", *SMALL])
+    assert proc.returncode == 2 and "max_tokens" in proc.stderr
+    proc = run(["generate", "x", "--no-such-flag"])
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
