@@ -21,6 +21,8 @@ class TorchAttentionBackend:
         v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if metadata.is_decode_only:
+            return self._decode(query, k_cache, v_cache, metadata, scale)
         out = torch.empty_like(query)
         block_size = k_cache.shape[1]
         num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -46,4 +48,29 @@ class TorchAttentionBackend:
                 enable_gqa=num_heads != num_kv_heads,
             )
             out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One query per sequence: gather every context into one padded batch and make a
+        single attention call (a Python loop per sequence dominates CPU decode otherwise)."""
+        block_size = k_cache.shape[1]
+        max_len = metadata.max_seq_len
+        num_seqs = metadata.num_seqs
+        blocks = metadata.block_tables[:num_seqs, : (max_len + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(1, 2)[:, :max_len]  # [B, L, Hkv, D]
+        v = v_cache[blocks].flatten(1, 2)[:, :max_len]
+        mask = torch.arange(max_len, device=query.device)[None, :] < metadata.seq_lens[:num_seqs, None]  # [B, L]
+        # Slots past a sequence's end hold stale (even non-finite) values: 0 x NaN would leak through.
+        k = k.masked_fill(~mask[:, :, None, None], 0)
+        v = v.masked_fill(~mask[:, :, None, None], 0)
+        out = torch.empty_like(query)  # rows past the last sequence (padding) stay unwritten
+        out[:num_seqs] = F.scaled_dot_product_attention(
+            query[:num_seqs, :, None, :],  # [B, H, 1, D]
+            k.transpose(1, 2).to(query.dtype),
+            v.transpose(1, 2).to(query.dtype),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=query.shape[1] != k_cache.shape[2],
+        )[:, :, 0, :]
         return out
