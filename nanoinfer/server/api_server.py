@@ -25,6 +25,7 @@ from nanoinfer import __version__
 from nanoinfer.config import EngineConfig
 from nanoinfer.server.core_client import CoreClient, EngineDeadError
 from nanoinfer.server.metrics import ServerMetrics
+from nanoinfer.server.openapi import document_api
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, parse_body)
 from nanoinfer.server.serving import OpenAIServing
@@ -45,6 +46,8 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 5.0
     access_log: bool = True
+    metrics_without_auth: bool = False
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -64,14 +67,15 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 class ApiKeyMiddleware:
-    """Every path but /health needs `Authorization: Bearer <key>` (pure ASGI, so streams pass untouched)."""
+    """Every path but `public_paths` needs `Authorization: Bearer <key>` (pure ASGI, so streams pass untouched)."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, public_paths: tuple[str, ...]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.public_paths = public_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in self.public_paths:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
@@ -91,15 +95,22 @@ async def read_json(raw: Request, limit: int) -> object:
         if len(body) > limit:
             raise too_large
     try:
-        return json.loads(body)
-    except ValueError as e:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if b"\\u" in body or b"\xed" in body:  # a lone surrogate ("\\ud800") is no text: the tokenizer would choke
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, "the request body holds a lone UTF-16 surrogate, which is not valid Unicode") from None
+    return data
 
 
 def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="nanoinfer", version=__version__)
+    public_paths = ("/health", "/metrics") if options.metrics_without_auth else ("/health",)
     if options.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, public_paths=public_paths)
     limit = options.max_request_body_bytes
 
     @app.exception_handler(ApiError)
@@ -162,6 +173,7 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
         return await serving.create_chat_completion(parse_body(ChatCompletionRequest, await read_json(raw, limit)),
                                                     raw)
 
+    document_api(app, public_paths)
     return app
 
 
@@ -216,7 +228,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
     stats_task = None
     try:
         await client.start()
-        serving = OpenAIServing(client, list(options.served_model_names))
+        serving = OpenAIServing(client, list(options.served_model_names), options.log_prompts)
         app = build_app(client, serving, options)
         uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
                                         timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")

@@ -32,6 +32,10 @@ def add_serve_parser(subparsers) -> None:
                         help="seconds between throughput / queue / KV-cache log lines; 0 = off (default: 5)")
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                         help="log every HTTP request (default: on)")
+    parser.add_argument("--metrics-without-auth", action="store_true",
+                        help="serve /metrics without the API key, for a scraper (default: the key is needed)")
+    parser.add_argument("--log-prompts", action="store_true",
+                        help="log each request's prompts and sampling parameters (default: prompts never reach the log)")
     add_engine_args(parser, skip=("model",))
     parser.set_defaults(func=cmd_serve)
 
@@ -47,6 +51,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_body_bytes=args.max_request_body_bytes,
         max_output_tokens_per_request=args.max_output_tokens_per_request,
         shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
-        access_log=args.access_log)
+        access_log=args.access_log, metrics_without_auth=args.metrics_without_auth, log_prompts=args.log_prompts)
     run_server(config, options)
     return 0

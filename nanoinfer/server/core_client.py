@@ -183,18 +183,20 @@ class CoreClient:
         Raises ValueError / TypeError for bad input, OverflowError when the
         waiting queue is full, EngineDeadError when the core is gone."""
         self.check_alive()
+        # Bound the fan-out before any work per prompt or child: each child asks for at least one token.
+        self._check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
         admitted = []
         for i, prompt in enumerate(prompts):
             admitted.append(self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt))
         children = [child for _, group in admitted for child in group]
-        total = sum(child.max_tokens for child in children)
-        limit = self.max_output_tokens_per_request
-        if limit is not None and total > limit:
-            raise ValueError(f"max_tokens x n x prompts = {total} tokens exceeds this server's limit of {limit} "
-                             f"output tokens per request")
+        self._check_output_tokens(sum(child.max_tokens for child in children))
         bound = self.limits.max_num_waiting
         if bound is not None and len(self.waiting) + len(children) > bound:
             raise OverflowError(f"the waiting queue is full ({len(self.waiting)} requests waiting, at most {bound})")
+        try:  # before anything is registered, so a refused request leaves nothing behind
+            frames = [pack(MessageType.ADD, encode_request(child)) for child in children]
+        except (OverflowError, ValueError) as e:  # msgpack holds integers of at most 64 bits
+            raise ValueError(f"a number in the request is out of range: {e}") from None
         stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
         for i, (prompt, (prompt_ids, group)) in enumerate(zip(prompts, admitted)):
             self.output_processor.add_request(stream.request_ids[i], prompt if isinstance(prompt, str) else None,
@@ -203,8 +205,15 @@ class CoreClient:
             for child in group:
                 self.metrics.start_request(child.request_id, child.arrival_time, len(prompt_ids))
                 self.waiting.add(child.request_id)
-                self._send(MessageType.ADD, encode_request(child))
+        for frame in frames:
+            self._send_packed(frame)
         return stream
+
+    def _check_output_tokens(self, total: int) -> None:
+        limit = self.max_output_tokens_per_request
+        if limit is not None and total > limit:
+            raise ValueError(f"max_tokens x n x prompts = {total} tokens exceeds this server's limit of {limit} "
+                             f"output tokens per request")
 
     def abort(self, stream: OutputStream) -> None:
         """Stop the stream's unfinished requests in the core (freeing their blocks)
@@ -226,10 +235,13 @@ class CoreClient:
             self.abort(stream)
 
     def _send(self, *frame) -> None:
+        self._send_packed(pack(*frame))
+
+    def _send_packed(self, data: bytes) -> None:
         if self.dead_reason is not None:
             return
         try:
-            self._input.send(pack(*frame), zmq.NOBLOCK)
+            self._input.send(data, zmq.NOBLOCK)
         except zmq.Again:  # no core connected: it died (and its exit is not handled yet)
             self._die("the engine core process is not reachable")
 
@@ -257,10 +269,10 @@ class CoreClient:
         outputs = decode_outputs(rows)
         self.metrics.on_outputs(outputs, now)
         request_outputs, stopped = self.output_processor.process_outputs(outputs)
-        if stopped:  # stop strings, found here, end the requests in the core
-            self._send(MessageType.ABORT, stopped, int(RequestStatus.FINISHED_STOPPED))
-            for child_id in stopped:
-                self.metrics.finish_request(child_id, "stop", now)
+        if stopped:  # stop strings (or a failed detokenization), found here, end the requests in the core
+            self._send(MessageType.ABORT, list(stopped), int(RequestStatus.FINISHED_STOPPED))
+            for child_id, finish_reason in stopped.items():
+                self.metrics.finish_request(child_id, finish_reason, now)
         for output in request_outputs:
             stream = self.streams.pop(output.request_id, None) if output.finished else self.streams.get(output.request_id)
             if stream is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,10 +28,16 @@ _FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt",
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _RETRY_AFTER_SECONDS = "1"
 
+logger = logging.getLogger("nanoinfer")
+
 
 def _param(message: str, renames: dict[str, str]) -> str | None:
     word = message.split(" ", 1)[0]
     return renames.get(word, word) if word in _FIELD_NAMES else None
+
+
+def _request_failed(request_id: str) -> ApiError:
+    return ApiError(500, f"generating {request_id} failed inside the engine; the server log has the details")
 
 
 def _event(payload: dict) -> str:
@@ -112,9 +119,10 @@ async def _client_disconnected(raw: Request) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, client: CoreClient, model_names: list[str]) -> None:
+    def __init__(self, client: CoreClient, model_names: list[str], log_prompts: bool = False) -> None:
         self.client = client
         self.model_names = model_names
+        self.log_prompts = log_prompts
         self.tokenizer = client.tokenizer
         self.accepting = True  # False while draining for shutdown
 
@@ -221,6 +229,10 @@ class OpenAIServing:
                   renames: dict[str, str]) -> OutputStream:
         if not self.accepting:
             raise ApiError(503, "the server is shutting down")
+        if self.log_prompts:
+            texts = [p if isinstance(p, str) or self.tokenizer is None else self.tokenizer.decode(p) for p in prompts]
+            logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r", request_id, texts, params,
+                        req.priority, req.cache_salt)
         try:
             return self.client.generate(request_id, prompts, params, req.priority, req.cache_salt)
         except (TypeError, ValueError) as e:
@@ -240,6 +252,8 @@ class OpenAIServing:
         outputs = await self._collect(stream, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
+        if any(c.finish_reason == "error" for o in outputs for c in o.outputs):
+            raise _request_failed(request_id)
         choices = [render(_Delta(i * n + c.index, o, c, c.text, c.token_ids, c.logprobs, 0, True), False)
                    for i, o in enumerate(outputs) for c in o.outputs]
         return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)})
@@ -270,11 +284,15 @@ class OpenAIServing:
         try:
             async for updates in stream:
                 for delta in tracker.update(updates):
+                    if delta.completion.finish_reason == "error":
+                        raise _request_failed(base["id"])
                     yield _event(base | {"choices": [render(delta)]} | ({"usage": None} if include_usage else {}))
             if include_usage:
                 yield _event(base | {"choices": [], "usage": _usage(tracker.latest.values())})
         except EngineDeadError as e:
             yield _event(ApiError(503, str(e)).body())
+        except ApiError as e:  # a request failed inside the engine: the stream ends (closing it aborts the rest)
+            yield _event(e.body())
         yield "data: [DONE]\n\n"
 
     def _prompt_text(self, output: RequestOutput) -> str:
