@@ -4,6 +4,7 @@ an `EngineCore`. `add_request` / `step` / `abort_request` is the interface the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -11,6 +12,7 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
 from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
@@ -31,18 +33,23 @@ def load_tokenizer(path: str | None):
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
 
 
+def load_model_and_tokenizer(config: EngineConfig) -> tuple[ModelSource, object]:
+    """Resolve the model (a GGUF is converted once, before any other process reads the cache)
+    and load its tokenizer; the tokenizer's eos id joins the config's end-of-sequence ids."""
+    source = resolve_model(config)
+    tokenizer = load_tokenizer(source.tokenizer_path)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        source = dataclasses.replace(source, eos_token_ids=source.eos_token_ids | {tokenizer.eos_token_id})
+    return source, tokenizer
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.core = EngineCore(config)
-        source = self.core.source
-        self.tokenizer = load_tokenizer(source.tokenizer_path)
-        eos = set(source.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        source, self.tokenizer = load_model_and_tokenizer(config)
+        self.core = EngineCore(config, source)
         self.limits = EngineLimits(self.core.max_model_len, self.core.max_tokens_per_request, config.block_size,
-                                   source.hf_config.vocab_size, eos, config.max_num_waiting)
-        self.core.runner.eos_token_ids = eos
+                                   source.hf_config.vocab_size, source.eos_token_ids, config.max_num_waiting)
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
 

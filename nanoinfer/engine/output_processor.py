@@ -91,7 +91,7 @@ class OutputProcessor:
                 try:
                     stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
                 except Exception:  # fail this request only, never the batch
-                    logger.exception("detokenizing request %s failed: it ends with finish_reason 'error'", out.request_id)
+                    logger.exception("detokenizing %s failed: it ends with finish_reason 'error'", out.request_id)
                     child.finish_reason, child.stop_reason, stop_str = "error", None, None
                     if out.finish_reason is None:
                         stopped[out.request_id] = "error"

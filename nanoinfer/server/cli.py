@@ -35,7 +35,7 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--metrics-without-auth", action="store_true",
                         help="serve /metrics without the API key, for a scraper (default: the key is needed)")
     parser.add_argument("--log-prompts", action="store_true",
-                        help="log each request's prompts and sampling parameters (default: prompts never reach the log)")
+                        help="log each request's prompts and sampling parameters (default: prompts are never logged)")
     add_engine_args(parser, skip=("model",))
     parser.set_defaults(func=cmd_serve)
 

@@ -6,7 +6,6 @@ over ZeroMQ, and turns the core's output batches into per-request streams
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import shutil
@@ -18,9 +17,8 @@ import zmq.asyncio
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
-from nanoinfer.engine.llm_engine import load_tokenizer
+from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
-from nanoinfer.loader.resolve import resolve_model
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
@@ -99,12 +97,7 @@ class CoreClient:
 
     async def start(self) -> None:
         """Resolve the model, start the core process and wait until it has loaded it."""
-        source = resolve_model(self.config)  # converts a GGUF once, before the core reads the cache
-        self.tokenizer = load_tokenizer(source.tokenizer_path)
-        eos = set(source.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        source = dataclasses.replace(source, eos_token_ids=eos)
+        source, self.tokenizer = load_model_and_tokenizer(self.config)
         self.model_path = source.model_path
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._proc = ctx.Process(target=run_engine_core, name="nanoinfer-engine-core", args=(
