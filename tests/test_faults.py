@@ -2,8 +2,8 @@
 request only (offline and over HTTP); the engine-core process killed mid-run
 fails in-flight requests fast with 503; the API process killed takes the core
 with it; with NANOINFER_DEBUG_CHECKS=1 the server's core catches a leaked KV
-block at once. A tensor-parallel worker killed mid-run is a clear error, not a
-hang: tests/test_tensor_parallel.py::test_killed_worker_is_a_clear_error_not_a_hang.
+block at once; a tensor-parallel worker killed mid-stream is a clear error, not
+a hang (at the engine level: tests/test_tensor_parallel.py).
 
 Faults are injected by monkeypatching (in-process) or, for a server, by a
 sitecustomize.py on PYTHONPATH that applies the same patches in both of its
@@ -180,7 +180,9 @@ def test_server_isolates_failing_requests_then_fails_fast_when_its_core_dies(mod
             async with httpx.AsyncClient(timeout=60) as http:
                 long = {"prompt": "Tell me a story", "max_tokens": 400, "ignore_eos": True}
                 tasks = [asyncio.create_task(_post(http, server.url, long | {"stream": i % 2 == 0})) for i in range(8)]
+                deadline = time.monotonic() + 30
                 while metric_values(server.url)[("nanoinfer:num_requests_running", ())] < 8:
+                    assert time.monotonic() < deadline, "the 8 requests never ran together"
                     await asyncio.sleep(0.1)
                 os.kill(server.core_pid(), signal.SIGKILL)
                 killed = time.monotonic()
@@ -239,3 +241,28 @@ def test_killed_api_process_takes_the_core_with_it(model_path, smollm2_path, tmp
     finally:
         if core.is_running():
             core.kill()
+
+
+def test_killed_tensor_parallel_worker_fails_the_server_clearly(model_path, smollm2_path, tmp_path):
+    """The engine-level test is tests/test_tensor_parallel.py; here through the server: no hang, a clear reason."""
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
+                           "--tensor-parallel-size", "2", "--device", "cpu")
+    try:
+        core = psutil.Process(server.core_pid())
+        worker = next(c for c in core.children() if any("spawn_main" in part for part in c.cmdline()))
+        body = {"prompt": "Tell me a story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(lines)  # generating
+            worker.kill()
+            start = time.monotonic()
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - start < 30 and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and f"tensor-parallel worker rank 1 (pid {worker.pid})" in error["message"]
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"]["message"]
+        assert server.stop(30) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()

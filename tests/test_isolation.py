@@ -61,6 +61,7 @@ def test_every_endpoint_but_health_and_metrics_needs_the_key(server):
 
 def test_api_key_is_compared_in_constant_time(monkeypatch):
     """Every check goes through hmac.compare_digest, with the whole header against the whole expected value."""
+    from fastapi import FastAPI
     from starlette.testclient import TestClient
 
     from nanoinfer.server import api_server
@@ -72,7 +73,7 @@ def test_api_key_is_compared_in_constant_time(monkeypatch):
         return given == expected
 
     monkeypatch.setattr(api_server.hmac, "compare_digest", spy)
-    app = api_server.FastAPI()
+    app = FastAPI()
     app.get("/v1/models")(lambda: {"data": []})
     app.add_middleware(api_server.ApiKeyMiddleware, api_key="s3cret", public_paths=("/health",))
     client = TestClient(app)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
 import httpx
 import pytest
@@ -46,11 +47,13 @@ def test_soak(model_path, smollm2_path, tmp_path):
         assert len(pids) == 2
         jobs = make_jobs(WARMUP_REQUESTS + SOAK_REQUESTS, 1234, MAX_BODY, MAX_OUTPUT_TOKENS)
         before = wait_idle(server.url, {})
+        start = time.monotonic()
         outcomes = asyncio.run(run_jobs(server.url, {}, jobs[:WARMUP_REQUESTS], CONCURRENCY))
         wait_idle(server.url, {})
         rss_warm = rss_bytes(pids)
         outcomes += asyncio.run(run_jobs(server.url, {}, jobs[WARMUP_REQUESTS:], CONCURRENCY))
         after = wait_idle(server.url, {})
+        duration = time.monotonic() - start
         rss_end = rss_bytes(pids)
         assert httpx.get(f"{server.url}/health").status_code == 200
         assert server.stop() == 0, server.log()
@@ -60,7 +63,7 @@ def test_soak(model_path, smollm2_path, tmp_path):
 
     llm = LLM(model_path, tokenizer=smollm2_path, num_kv_blocks=512)
     problems = check(jobs, outcomes, references(llm, jobs))
-    summary = summarize(jobs, outcomes, problems, before, after, 1.0)
+    summary = summarize(jobs, outcomes, problems, before, after, duration)
     print(summary | {"rss_growth_mib": (rss_end - rss_warm) / 2**20})
     assert problems == []
     assert summary["leaked_blocks"] == 0
