@@ -39,7 +39,8 @@ from nanoinfer.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
     from nanoinfer.config import EngineConfig
-    from nanoinfer.model_runner.model_runner import ModelRunner, RunnerFuture
+    from nanoinfer.model_runner.model_runner import ModelRunner
+    from nanoinfer.model_runner.output import RunnerFuture
 
 JOIN_TIMEOUT_S = 10.0
 # How long a failed collective waits for a worker to finish dying (its sockets close first).

@@ -20,10 +20,10 @@ from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
+from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
-from nanoinfer.outputs import ModelRunnerOutput, TokenLogprobs
 from nanoinfer.sample.metadata import to_device
-from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, temperature_sample
+from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, temperature_sample
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
@@ -212,7 +212,7 @@ class ModelRunner:
         return to_device(torch.from_numpy(array.astype(_NUMPY_DTYPES[dtype], copy=False)), self.device)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> "RunnerFuture | None":
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
         """Launch one step. The sampled tokens come back through the returned
         future, so the caller can plan the next step while the GPU works."""
         self._update_states(scheduler_output)
@@ -230,14 +230,14 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         if not sample_states:
             self.last_future = None
-            return RunnerFuture(self, [], None, None)
+            return RunnerFuture([], None, None)
         logits = self.model.compute_logits(hidden[logits_indices])
         if tp_rank() != 0:  # TP workers: rank 0 samples and sends the tokens (add_sampled_tokens)
             return None
         sampled, errors = self._sample(logits, sample_states, output_index)
         self.prev_sampled = sampled.sampled_token_ids
         self.prev_rows = {s.req_id: i for i, s in enumerate(sample_states)}
-        self.last_future = RunnerFuture(self, sample_states, sampled, self._copy_to_host(sampled.sampled_token_ids),
+        self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(sampled.sampled_token_ids),
                                         errors)
         return self.last_future
 
@@ -258,7 +258,7 @@ class ModelRunner:
                 logger.exception("sampling request %s failed: it ends with finish_reason 'error'", state.req_id)
                 errors[state.req_id] = f"{type(e).__name__}: {e}"
                 rows.append(None)
-        return _stack_rows(rows, self.device), errors
+        return stack_rows(rows, self.device), errors
 
     def _sampling_metadata(self, states: list[CachedRequestState], output_index: list[int]) -> SamplingMetadata:
         return SamplingMetadata.build(
@@ -272,15 +272,6 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _copy_to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if self.device.type != "cuda":
-            return tensor, None
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
     def add_sampled_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
         """TP workers: append the tokens rank 0 sampled, so every rank keeps the same token lists."""
         for req_id, token_id in zip(req_ids, token_ids):
@@ -293,66 +284,6 @@ class ModelRunner:
             return set()
         ids = set(params.stop_token_ids or ())
         return ids if params.ignore_eos else ids | self.eos_token_ids
-
-    @staticmethod
-    def _logprobs_to_lists(sampled: SamplerOutput, states: list[CachedRequestState]) -> list[TokenLogprobs | None]:
-        if sampled.logprobs is None:
-            return [None] * len(states)
-        ids = sampled.logprobs.logprob_token_ids.tolist()
-        values = sampled.logprobs.logprobs.tolist()
-        ranks = sampled.logprobs.selected_token_ranks.tolist()
-        result: list[TokenLogprobs | None] = []
-        for i, state in enumerate(states):
-            n = state.sampling_params.logprobs
-            result.append(None if n is None else
-                          TokenLogprobs(ids[i][0], values[i][0], ranks[i], ids[i][1 : 1 + n], values[i][1 : 1 + n]))
-        return result
-
-
-def _stack_rows(rows: list[SamplerOutput | None], device: torch.device) -> SamplerOutput:
-    """One batch output from per-row ones. A failed row (None) gets token 0 and
-    zero logprobs, which nobody reads: its request ends with an error."""
-    zero = torch.zeros(1, dtype=torch.long, device=device)
-    token_ids = torch.cat([zero if r is None else r.sampled_token_ids for r in rows])
-    logprobs = [None if r is None else r.logprobs for r in rows]
-    if all(lp is None for lp in logprobs):
-        return SamplerOutput(token_ids, None)
-    width = max(lp.logprobs.shape[1] for lp in logprobs if lp is not None)
-
-    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([torch.zeros(1, width, dtype=dtype, device=device) if lp is None else
-                          torch.nn.functional.pad(getattr(lp, name), (0, width - getattr(lp, name).shape[1]))
-                          for lp in logprobs])
-
-    ranks = torch.cat([zero if lp is None else lp.selected_token_ranks for lp in logprobs])
-    return SamplerOutput(token_ids, LogprobsTensors(column("logprob_token_ids", torch.long),
-                                                    column("logprobs", torch.float32), ranks))
-
-
-class RunnerFuture:
-    """The sampled tokens of one launched step; `result()` waits for them (once)."""
-
-    def __init__(self, runner: ModelRunner, states: list[CachedRequestState], sampled: SamplerOutput | None,
-                 host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
-                 errors: dict[str, str] | None = None) -> None:
-        self.runner, self.states, self.sampled, self.host_copy = runner, states, sampled, host_copy
-        self.errors = errors or {}
-        self._output: ModelRunnerOutput | None = None
-
-    def result(self) -> ModelRunnerOutput:
-        if self._output is None:
-            if not self.states:
-                self._output = ModelRunnerOutput([], [], [])
-                return self._output
-            host, event = self.host_copy
-            if event is not None:
-                event.synchronize()
-            token_ids = host.tolist()
-            for state, token_id in zip(self.states, token_ids):
-                state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
-            self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
-                                             self.runner._logprobs_to_lists(self.sampled, self.states), self.errors)
-        return self._output
 
 
 def start_model_runner(config: EngineConfig, source, device: torch.device, dtype: torch.dtype,

@@ -1,0 +1,81 @@
+"""What a launched step hands back: a future for its sampled tokens (read back
+only when the caller needs them, so async scheduling can plan the next step
+meanwhile), and the conversions of sampler tensors into per-request results."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoinfer.model_runner.state import CachedRequestState
+from nanoinfer.outputs import ModelRunnerOutput, TokenLogprobs
+from nanoinfer.sample.sampler import LogprobsTensors, SamplerOutput
+
+
+def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    if tensor.device.type != "cuda":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def logprobs_to_lists(sampled: SamplerOutput, states: list[CachedRequestState]) -> list[TokenLogprobs | None]:
+    if sampled.logprobs is None:
+        return [None] * len(states)
+    ids = sampled.logprobs.logprob_token_ids.tolist()
+    values = sampled.logprobs.logprobs.tolist()
+    ranks = sampled.logprobs.selected_token_ranks.tolist()
+    result: list[TokenLogprobs | None] = []
+    for i, state in enumerate(states):
+        n = state.sampling_params.logprobs
+        result.append(None if n is None else
+                      TokenLogprobs(ids[i][0], values[i][0], ranks[i], ids[i][1 : 1 + n], values[i][1 : 1 + n]))
+    return result
+
+
+def stack_rows(rows: list[SamplerOutput | None], device: torch.device) -> SamplerOutput:
+    """One batch output from per-row ones. A failed row (None) gets token 0 and
+    zero logprobs, which nobody reads: its request ends with an error."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    token_ids = torch.cat([zero if r is None else r.sampled_token_ids for r in rows])
+    logprobs = [None if r is None else r.logprobs for r in rows]
+    if all(lp is None for lp in logprobs):
+        return SamplerOutput(token_ids, None)
+    width = max(lp.logprobs.shape[1] for lp in logprobs if lp is not None)
+
+    def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([torch.zeros(1, width, dtype=dtype, device=device) if lp is None else
+                          torch.nn.functional.pad(getattr(lp, name), (0, width - getattr(lp, name).shape[1]))
+                          for lp in logprobs])
+
+    ranks = torch.cat([zero if lp is None else lp.selected_token_ranks for lp in logprobs])
+    return SamplerOutput(token_ids, LogprobsTensors(column("logprob_token_ids", torch.long),
+                                                    column("logprobs", torch.float32), ranks))
+
+
+class RunnerFuture:
+    """The sampled tokens of one launched step; `result()` waits for them (once)."""
+
+    def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
+                 host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
+                 errors: dict[str, str] | None = None) -> None:
+        self.states, self.sampled, self.host_copy = states, sampled, host_copy
+        self.errors = errors or {}
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            if not self.states:
+                self._output = ModelRunnerOutput([], [], [])
+                return self._output
+            host, event = self.host_copy
+            if event is not None:
+                event.synchronize()
+            token_ids = host.tolist()
+            for state, token_id in zip(self.states, token_ids):
+                state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
+            self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
+                                             logprobs_to_lists(self.sampled, self.states), self.errors)
+        return self._output
