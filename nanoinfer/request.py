@@ -91,7 +91,9 @@ class Request:
             return False
         last = self.output_token_ids[-1]
         if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
-            self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
+            self.status = RequestStatus.FINISHED_STOPPED
+            # As in vLLM: a stop_token_ids hit is reported, an end-of-sequence token is not.
+            self.stop_reason = last if last in (self.sampling_params.stop_token_ids or ()) else None
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
         return self.status.is_finished

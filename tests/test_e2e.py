@@ -149,3 +149,19 @@ def test_seeded_penalised_sampling_same_sync_and_async(tiny_models) -> None:
         llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, async_scheduling=async_scheduling)
         outs.append([o.outputs[0].token_ids for o in llm.generate(_tiny_prompts(), params, use_tqdm=False)])
     assert outs[0] == outs[1]
+
+
+def test_stop_token_ids_end_the_request(tiny_models, tiny_reference) -> None:
+    """A stop_token_ids hit ends the request with finish_reason 'stop' and reports the token;
+    min_tokens holds it back until enough tokens are out."""
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    reference = tiny_reference[0]
+    stop = reference[5]
+    first = reference.index(stop)
+    out = llm.generate(_tiny_prompts()[0], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    later = llm.generate(_tiny_prompts()[0], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop],
+                                                            min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
+    assert len(later.token_ids) > first + 1 and stop not in later.token_ids[: first + 1]
