@@ -87,11 +87,12 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's shard of the last dimension (vocab-parallel logits)."""
+def tp_gather_last_dim_to_rank0(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate every rank's shard of the last dimension on rank 0 (vocab-parallel logits:
+    only rank 0 samples); other ranks get None."""
     world = tp_world_size()
     if world == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=-1)
+    parts = [torch.empty_like(x) for _ in range(world)] if tp_rank() == 0 else None
+    dist.gather(x.contiguous(), parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else None

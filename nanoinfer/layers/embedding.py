@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_gather_last_dim, tp_rank, tp_world_size
+from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_gather_last_dim_to_rank0, tp_rank, tp_world_size
 from nanoinfer.layers.linear import copy_weight
 
 
@@ -44,8 +44,9 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states onto this rank's vocabulary slice, then gathers the full vocabulary
-    on every rank. Its weight may be the embedding's (tied embeddings): same shape and sharding."""
+    on rank 0, the rank that samples (others get None). Its weight may be the embedding's (tied
+    embeddings): same shape and sharding."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = tp_gather_last_dim(F.linear(hidden_states, self.weight))
-        return logits[..., : self.num_embeddings]
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = tp_gather_last_dim_to_rank0(F.linear(hidden_states, self.weight))
+        return None if logits is None else logits[..., : self.num_embeddings]

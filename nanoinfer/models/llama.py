@@ -137,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> float32 logits [n, vocab_size], the full vocabulary on every rank."""
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[n, hidden_size] -> float32 logits [n, vocab_size] on rank 0 (None on other TP ranks)."""
+        logits = self.lm_head(hidden_states)
+        return None if logits is None else logits.float()
