@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoinfer.config import EngineConfig
+from nanoinfer.engine.input_processor import EngineLimits
 from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import EngineCoreOutput
 from nanoinfer.request import Request, RequestStatus
@@ -75,6 +76,12 @@ class EngineCore:
         # need each step's tokens on the host first, so TP runs synchronously.
         self.async_scheduling = config.async_scheduling and self.tp_driver is None
         self.in_flight = None
+
+    def limits(self) -> EngineLimits:
+        """What the front end's admission checks need to know about this core."""
+        return EngineLimits(self.max_model_len, self.max_tokens_per_request, self.config.block_size,
+                            self.source.hf_config.vocab_size, set(self.source.eos_token_ids),
+                            self.config.max_num_waiting)
 
     @property
     def max_tokens_per_request(self) -> int:

@@ -24,6 +24,12 @@ class EngineLimits:
     eos_token_ids: set[int]
     max_num_waiting: int | None = None
 
+    def check_waiting_room(self, num_waiting: int, num_new: int) -> None:
+        """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full."""
+        if self.max_num_waiting is not None and num_waiting + num_new > self.max_num_waiting:
+            raise OverflowError(f"the waiting queue is full ({num_waiting} requests waiting, "
+                                f"at most {self.max_num_waiting})")
+
 
 class InputProcessor:
     def __init__(self, tokenizer, limits: EngineLimits) -> None:

@@ -10,7 +10,7 @@ import os
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineCore
-from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
+from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import RequestOutput
@@ -48,8 +48,7 @@ class LLMEngine:
         self.config = config
         source, self.tokenizer = load_model_and_tokenizer(config)
         self.core = EngineCore(config, source)
-        self.limits = EngineLimits(self.core.max_model_len, self.core.max_tokens_per_request, config.block_size,
-                                   source.hf_config.vocab_size, source.eos_token_ids, config.max_num_waiting)
+        self.limits = self.core.limits()
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
 
@@ -59,9 +58,7 @@ class LLMEngine:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
-        waiting = len(self.core.scheduler.waiting)
-        if self.limits.max_num_waiting is not None and waiting + len(children) > self.limits.max_num_waiting:
-            raise OverflowError(f"the waiting queue is full ({waiting} requests waiting)")
+        self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(children))
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                                           params, [c.request_id for c in children])
         for child in children:

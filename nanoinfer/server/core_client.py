@@ -183,9 +183,7 @@ class CoreClient:
             admitted.append(self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt))
         children = [child for _, group in admitted for child in group]
         self._check_output_tokens(sum(child.max_tokens for child in children))
-        bound = self.limits.max_num_waiting
-        if bound is not None and len(self.waiting) + len(children) > bound:
-            raise OverflowError(f"the waiting queue is full ({len(self.waiting)} requests waiting, at most {bound})")
+        self.limits.check_waiting_room(len(self.waiting), len(children))
         try:  # before anything is registered, so a refused request leaves nothing behind
             frames = [pack(MessageType.ADD, encode_request(child)) for child in children]
         except (OverflowError, ValueError) as e:  # msgpack holds integers of at most 64 bits

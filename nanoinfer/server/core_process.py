@@ -46,8 +46,7 @@ class EngineCoreProc:
         from nanoinfer.engine.core import EngineCore
 
         self.core = EngineCore(config, source)
-        self.limits = EngineLimits(self.core.max_model_len, self.core.max_tokens_per_request, config.block_size,
-                                   source.hf_config.vocab_size, set(source.eos_token_ids), config.max_num_waiting)
+        self.limits = self.core.limits()
         limits = dataclasses.asdict(self.limits) | {"eos_token_ids": sorted(self.limits.eos_token_ids)}
         self._send(MessageType.READY, limits, self.core.num_blocks)
 
