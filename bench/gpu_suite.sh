@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
-# Everything the GPU issue needs, in one device call: GPU tests, then the
-# throughput and latency benchmarks. Logs go to $OUT when it is set.
+# Everything the single-GPU issues need, in one device call: GPU tests, the throughput and
+# latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
+# all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
+# where it was); logs go to $OUT unpiped.
+#   bash bench/gpu_suite.sh [all|tests|bench|serving]
+# The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
+# machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nanoinfer-out}; mkdir -p "$OUT"
@@ -8,10 +13,32 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 NANOINFER_COMMIT=$
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 what=${1:-all}
+run() {  # run LIMIT_S NAME CMD...: one command under a time limit, log to $OUT/NAME.log
+  local limit=$1 name=$2; shift 2
+  local t0=$SECONDS
+  timeout -s ABRT "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  grep -E "RESULT|passed|failed|Error|error" "$OUT/$name.log" | tail -n 8
+}
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -m gpu tests/gpu -q -x -p no:cacheprovider -s 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  run 240 gpu_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_triton_gpu.py \
+    tests/test_sampler.py -q -p no:cacheprovider
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  python3 bench/throughput.py --max-model-len 2048 --no-tqdm --json-out "$OUT/results.jsonl" ${THROUGHPUT_ARGS:-} 2>&1 | tee "$OUT/throughput.log" | grep -v "^\s*$" | tail -5
-  python3 bench/latency.py --max-model-len 2048 --json-out "$OUT/results.jsonl" 2>&1 | tee "$OUT/latency.log" | tail -3
+  run 200 throughput python3 -X faulthandler bench/throughput.py --max-model-len 2048 --no-tqdm --step-stats \
+    --json-out "$OUT/results.jsonl" ${THROUGHPUT_ARGS:-}
+  run 120 latency python3 -X faulthandler bench/latency.py --max-model-len 2048 --json-out "$OUT/results.jsonl"
+fi
+if [ "$what" = all ] || [ "$what" = serving ]; then
+  port=8765
+  python3 -m nanoinfer.cli serve nanoinfer/configs/qwen3-0.6b.json --load-format dummy \
+    --tokenizer "${TOKENIZER:-.tok}" --max-model-len 2048 --port $port --no-access-log > "$OUT/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
+  for rate in 16 inf; do
+    run 150 "serving_rate_$rate" python3 bench/serving.py --base-url http://127.0.0.1:$port --num-prompts 500 \
+      --input-len 512 --output-len 128 --request-rate $rate --json-out "$OUT/serving_$rate.json"
+    grep -E "throughput|Median|P99|Mean TTFT|Mean TPOT" "$OUT/serving_rate_$rate.log"
+  done
+  kill -TERM $server; wait $server; echo "server exit $?"; tail -n 3 "$OUT/server.log"
 fi
