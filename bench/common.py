@@ -33,10 +33,13 @@ def device_name() -> str:
 
 
 def commit() -> str:
+    """NANOINFER_COMMIT when set (the device machine gets a copy of the tree, maybe a stale .git), else git's."""
+    if os.environ.get("NANOINFER_COMMIT", "unknown") != "unknown":
+        return os.environ["NANOINFER_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], stderr=subprocess.DEVNULL).decode().strip()
     except Exception:
-        return os.environ.get("NANOINFER_COMMIT", "unknown")
+        return "unknown"
 
 
 def report(name: str, figures: dict, args: argparse.Namespace) -> None:

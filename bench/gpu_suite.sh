@@ -9,6 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/nanoinfer-out}; mkdir -p "$OUT"
+ulimit -c 0  # no core files: dumping a CUDA process's address space takes minutes
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 NANOINFER_COMMIT=${NANOINFER_COMMIT:-unknown}
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader

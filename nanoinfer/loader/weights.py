@@ -27,7 +27,6 @@ from nanoinfer.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SEED = 0
-DUMMY_RANGE = 1e-3
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -150,17 +149,30 @@ def _checkpoint_shapes(hf_config: Any) -> dict[str, torch.Size]:
     return {name: t.shape for name, t in reference.state_dict().items() if not _is_ignored(name, hf_config)}
 
 
+def dummy_bounds(name: str, shape: torch.Size) -> tuple[float, float]:
+    """The uniform range of one dummy tensor, scaled like a freshly initialised model: matrices
+    ±sqrt(3 / fan_in) (unit-variance outputs), norm weights near one, biases near zero. Logits then
+    spread over a few units, so greedy tokens compare code paths rather than rounding (with vLLM's
+    ±1e-3 everywhere every logit is a near-tie)."""
+    if name.endswith("norm.weight"):
+        return 0.9, 1.1
+    if len(shape) == 2:
+        bound = (3.0 / shape[1]) ** 0.5
+        return -bound, bound
+    return -1e-2, 1e-2
+
+
 def _fill_dummy(model: nn.Module, hf_config: Any, device: torch.device, seed: int = DUMMY_SEED) -> None:
-    """Uniform values in ±DUMMY_RANGE; no file is read. Each full checkpoint tensor comes from a generator
-    seeded by `seed` and its name, then is sharded like a real one: the same model for every TP size
-    (reproducible per device type and dtype)."""
+    """Uniform values in `dummy_bounds`; no file is read. Each full checkpoint tensor comes from a
+    generator seeded by `seed` and its name, then is sharded like a real one: the same model for
+    every TP size (reproducible per device type and dtype)."""
     shapes = _checkpoint_shapes(hf_config)
     targets = _match_names(model, set(shapes), f"dummy weights for {getattr(hf_config, 'architectures', None)}")
     generator = torch.Generator(device=device)
     for name, shape in shapes.items():
         generator.manual_seed(seed + zlib.crc32(name.encode()))
         full = torch.empty(shape, dtype=targets[name][0].dtype, device=device)
-        _load_tensor(targets, name, full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=generator))
+        _load_tensor(targets, name, full.uniform_(*dummy_bounds(name, shape), generator=generator))
 
 
 @contextmanager
