@@ -38,9 +38,12 @@ def run_nanoinfer(args) -> dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     core = llm.engine.core
-    return {"engine": "nanoinfer", "num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": round(elapsed, 3),
-            "output_tok_per_s": round(tokens / elapsed, 1), "kv_blocks": core.num_blocks,
-            "preemptions": core.scheduler.num_preemptions, **({"steps": _summarise(steps)} if steps is not None else {})}
+    figures = {"engine": "nanoinfer", "num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": round(elapsed, 3),
+               "output_tok_per_s": round(tokens / elapsed, 1), "kv_blocks": core.num_blocks,
+               "preemptions": core.scheduler.num_preemptions, **({"steps": _summarise(steps)} if steps is not None else {})}
+    print(f"nanoinfer: {figures}", flush=True)  # before shutdown, which could outlive the time limit
+    llm.close()
+    return figures
 
 
 def _time_steps(core) -> list[tuple[bool, int, float]]:

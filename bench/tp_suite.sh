@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+#   bash bench/tp_suite.sh [all|tests|bench|bench1|bench2]   (bench1/bench2: the TP=1 or TP=2 figures only)
 # Tensor parallelism on a 2-GPU machine, in one device call: the TP=2 vs TP=1 equality tests
 # (Qwen3-0.6B and Qwen3-8B shapes), then the reference workload and single-stream latency of the
 # Qwen3-8B shape at TP=1 (both on their own GPU, at the same time) and at TP=2. Each command has
@@ -21,16 +22,18 @@ run() {  # run LIMIT_S NAME CMD...: one command under a time limit, log to $OUT/
 }
 EIGHT_B=(--model nanoinfer/configs/qwen3-8b.json --max-model-len 2048)
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 330 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -p no:cacheprovider --timeout 200
+  run 250 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -p no:cacheprovider --timeout 150
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench1 ]; then
   CUDA_VISIBLE_DEVICES=0 run 200 throughput_tp1 python3 -X faulthandler bench/throughput.py "${EIGHT_B[@]}" --no-tqdm \
     --json-out "$OUT/results.jsonl" &
   CUDA_VISIBLE_DEVICES=1 run 200 latency_tp1 python3 -X faulthandler bench/latency.py "${EIGHT_B[@]}" --iters 2 \
     --json-out "$OUT/results.jsonl"
   wait
-  run 200 throughput_tp2 python3 -X faulthandler bench/throughput.py "${EIGHT_B[@]}" --no-tqdm \
-    --tensor-parallel-size 2 --json-out "$OUT/results.jsonl"
-  run 150 latency_tp2 python3 -X faulthandler bench/latency.py "${EIGHT_B[@]}" --iters 2 --tensor-parallel-size 2 \
+fi
+if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench2 ]; then
+  run 110 latency_tp2 python3 -X faulthandler bench/latency.py "${EIGHT_B[@]}" --iters 2 --tensor-parallel-size 2 \
     --json-out "$OUT/results.jsonl"
+  run 150 throughput_tp2 python3 -X faulthandler bench/throughput.py "${EIGHT_B[@]}" --no-tqdm \
+    --tensor-parallel-size 2 --json-out "$OUT/results.jsonl"
 fi

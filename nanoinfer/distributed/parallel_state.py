@@ -20,6 +20,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 CONTROL_TIMEOUT = timedelta(days=365)
 
 _control_group: dist.ProcessGroup | None = None
+_uses_nccl = False
 
 
 def tp_world_size() -> int:
@@ -34,13 +35,14 @@ def init_tensor_parallel(rank: int, world_size: int, local_rank: int, store: dis
     """Join the TP group: through `store` (one host, spawned workers) or the standard env:// rendezvous
     (MASTER_ADDR, MASTER_PORT; several hosts). On a GPU host each rank uses GPU `local_rank` and CUDA
     tensors go through NCCL; CPU tensors (and CPU-only runs) go through gloo."""
-    global _control_group
+    global _control_group, _uses_nccl
     backend = "gloo"
     if local_rank < torch.cuda.device_count():
         # NVLink SHARP (multicast) stays off: it is not needed for TP all-reduces and not every machine allows it.
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         torch.cuda.set_device(local_rank)
         backend = "cpu:gloo,cuda:nccl"
+    _uses_nccl = backend != "gloo"
     dist.init_process_group(backend, init_method=None if store is not None else "env://", store=store,
                             rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -58,10 +60,16 @@ def split_cpu_threads(world_size: int) -> int:
 
 
 def destroy_tensor_parallel() -> None:
-    global _control_group
+    """Leave the TP groups. On GPUs each rank aborts its NCCL communicators: a clean NCCL shutdown
+    finalizes them, which waits for the other ranks, and ranks leave at different times (or one has
+    died), so it can hang; an abort is local. gloo-only (CPU) groups are destroyed normally."""
+    global _control_group, _uses_nccl
     if dist.is_initialized():
-        dist.destroy_process_group()
-    _control_group = None
+        if _uses_nccl:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    _control_group, _uses_nccl = None, False
 
 
 def control_group() -> dist.ProcessGroup:
