@@ -161,7 +161,10 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Triton compiles a variant per integer argument that is 1, divisible by 16, or neither. The batch's
+# sequence count and the split count change every step, so they are not specialised: one compile per
+# tile configuration, done at start-up, instead of a ~1 s compile in the middle of a run.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_lt", "stride_lh"])
 def _paged_attention_kernel(
     query_ptr,
     k_cache_ptr,
@@ -261,7 +264,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + token_row * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lt", "stride_lh"])
 def _merge_splits_kernel(
     partial_ptr,
     lse_ptr,

@@ -17,21 +17,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "nanoinfer", "configs", "qwen3-0.6b.json")
 
 
-@pytest.fixture(scope="module")
-def random_qwen3(tmp_path_factory) -> str:
-    """Qwen3-0.6B shape with random weights of std 0.1 (transformers' init with a larger
-    initializer_range): logits spread far enough that greedy tokens are a meaningful
-    comparison, unlike ±1e-3 dummy weights whose logits are near-ties everywhere."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = str(tmp_path_factory.mktemp("qwen3"))
-    config = AutoConfig.from_pretrained(CONFIG, initializer_range=0.1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
 def prompts(n: int = 32) -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randint(0, 10000) for _ in range(rng.randint(5, 300))] for _ in range(n)]
@@ -49,25 +34,31 @@ def greedy_tokens(model: str, **engine_args) -> list[list[int]]:
     return outs
 
 
-def match_rate(a: list[list[int]], b: list[list[int]]) -> float:
-    return sum(x == y for x, y in zip(a, b)) / len(a)
-
-
-def test_fast_path_equals_reference_fp32(random_qwen3) -> None:
-    reference = greedy_tokens(random_qwen3, dtype="float32", attention_backend="torch", enforce_eager=True)
-    fast = greedy_tokens(random_qwen3, dtype="float32")
+def test_fast_path_equals_reference_fp32() -> None:
+    """Dummy Qwen3-0.6B (weights scaled like an initialised model, so logits are spread and greedy
+    tokens compare code paths, not rounding): Triton kernels, CUDA graphs and compiled fusions give
+    the PyTorch reference path's tokens."""
+    reference = greedy_tokens(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True)
+    fast = greedy_tokens(CONFIG, load_format="dummy", dtype="float32")
     assert fast == reference
 
 
-def test_fast_path_bf16_close_to_reference(random_qwen3) -> None:
-    """In bf16 the two paths round differently (fused kernels, another summation order),
-    so a near-tie can flip and the sequences then diverge: the first tokens must agree,
-    and the full-sequence agreement is printed for the record."""
-    reference = greedy_tokens(random_qwen3, dtype="bfloat16", attention_backend="torch", enforce_eager=True)
-    fast = greedy_tokens(random_qwen3, dtype="bfloat16")
-    first = sum(a[:4] == b[:4] for a, b in zip(fast, reference)) / len(fast)
-    print(f"bf16: first-4-token match {first:.2f}, full 64-token match {match_rate(fast, reference):.2f}")
-    assert first >= 0.9
+def common_prefix(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean length of the common prefix of paired sequences."""
+    return sum(next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)) / len(a)
+
+
+def test_fast_path_bf16_as_close_to_fp32_as_the_reference_path() -> None:
+    """bf16 rounding flips near-ties, after which sequences diverge, so bf16 greedy output cannot
+    equal anything token for token. The fast path in bf16 must track the fp32 reference as well as
+    the PyTorch reference path does in bf16 (a broken kernel diverges at once). Dummy weights: scaled
+    like an initialised model, they keep activations in bf16's range better than std-0.1 weights."""
+    exact = greedy_tokens(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True)
+    reference = greedy_tokens(CONFIG, load_format="dummy", dtype="bfloat16", attention_backend="torch", enforce_eager=True)
+    fast = greedy_tokens(CONFIG, load_format="dummy", dtype="bfloat16")
+    fast_prefix, reference_prefix = common_prefix(fast, exact), common_prefix(reference, exact)
+    print(f"bf16 common prefix with fp32 (of 64 tokens): fast path {fast_prefix:.1f}, reference path {reference_prefix:.1f}")
+    assert fast_prefix >= 0.7 * reference_prefix, (fast_prefix, reference_prefix)
 
 
 def test_smollm2_fast_path_equals_reference() -> None:
