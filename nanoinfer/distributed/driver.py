@@ -5,12 +5,14 @@ The driver starts the other ranks (spawned on this host, or joined through the
 env rendezvous when they were launched on several hosts), sends each step's
 SchedulerOutput delta to them before running the step itself, and turns a
 dead worker into a clear error instead of a hang. Tokens are sampled on rank 0
-only; the workers learn them with the next step's message.
+only; the workers get them on the device at once (a broadcast inside the
+step) and as host lists with a later step's message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 import multiprocessing.connection
 import os
 import signal
@@ -34,7 +36,6 @@ from nanoinfer.distributed.parallel_state import (
     tp_min,
 )
 from nanoinfer.distributed.worker import LOCAL_HOST, StepMessage, ready_key, spawned_worker
-from nanoinfer.outputs import ModelRunnerOutput
 from nanoinfer.scheduler.output import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class TensorParallelDriver:
             self.workers.cpu_threads = split_cpu_threads(world_size)
         self.runner: ModelRunner | None = None
         self.error: BaseException | None = None
-        self._sampled: tuple[list[str], list[int]] = ([], [])
+        self._unsent: deque[RunnerFuture] = deque()  # launched steps whose tokens the workers lack
         with self._guard():
             if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
                 self._join_env_rendezvous(world_size)
@@ -173,14 +174,28 @@ class TensorParallelDriver:
         self.workers.serving = True
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
-        """Send the step (and last step's sampled tokens) to the workers, then run rank 0's part.
-        Synchronous: the workers need this step's tokens before the next one."""
+        """Send the step (and the tokens read back since the last one) to the workers, then launch
+        rank 0's part. Nothing waits for the device here, so async scheduling works as on one GPU."""
         with self._guard():
-            self.workers.channel.send(StepMessage(scheduler_output, *self._sampled))
+            self.workers.channel.send(StepMessage(scheduler_output, *self._read_back_tokens()))
             future = self.runner.execute_model(scheduler_output)
-            output = future.result() if future is not None else ModelRunnerOutput([], [], [])
-        self._sampled = (output.req_ids, output.sampled_token_ids)
+        if future is not None:
+            self._unsent.append(future)
         return future
+
+    def _read_back_tokens(self) -> tuple[list[str], list[int], list[int]]:
+        """(req_ids, positions, token ids) of the launched steps whose results the engine has read,
+        oldest first; it reads them in launch order."""
+        req_ids: list[str] = []
+        positions: list[int] = []
+        token_ids: list[int] = []
+        while self._unsent and self._unsent[0].done():
+            future = self._unsent.popleft()
+            output = future.result()
+            req_ids += output.req_ids
+            positions += future.positions
+            token_ids += output.sampled_token_ids
+        return req_ids, positions, token_ids
 
     def close(self) -> None:
         """Stop the workers and leave the process group; idempotent."""

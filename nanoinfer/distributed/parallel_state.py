@@ -95,6 +95,14 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` on every rank, in place. On GPUs this is ordered on the stream like any kernel
+    (no host wait), so workers get each step's sampled tokens on the device in time for the next."""
+    if tp_world_size() > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def tp_gather_last_dim_to_rank0(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate every rank's shard of the last dimension on rank 0 (vocab-parallel logits:
     only rank 0 samples); other ranks get None."""

@@ -49,11 +49,13 @@ def ready_key(rank: int) -> str:
 
 @dataclass
 class StepMessage:
-    """One engine step, rank 0 -> workers: the scheduler's delta, and the tokens rank 0 sampled in the
-    previous step (workers do not sample but must keep the same per-request token lists)."""
+    """One engine step, rank 0 -> workers: the scheduler's delta, and the sampled tokens rank 0 has
+    read back since the last message, with their positions (workers do not sample but keep the same
+    per-request token lists; the newest tokens reach them on the device, see ModelRunner)."""
 
     scheduler_output: SchedulerOutput
     sampled_req_ids: list[str]
+    sampled_positions: list[int]
     sampled_token_ids: list[int]
 
 
@@ -79,7 +81,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, store: dist.Store | 
         runner = build_worker_runner(channel.recv())
         logger.info("tensor-parallel worker rank %d/%d ready", rank, world_size)
         while (message := channel.recv()) is not None:
-            runner.add_sampled_tokens(message.sampled_req_ids, message.sampled_token_ids)
+            runner.add_sampled_tokens(message.sampled_req_ids, message.sampled_positions, message.sampled_token_ids)
             runner.execute_model(message.scheduler_output)
     finally:
         destroy_tensor_parallel()

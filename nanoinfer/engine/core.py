@@ -72,9 +72,9 @@ class EngineCore:
                     self.num_blocks * self.runner.kv_block_bytes / 2**30, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len)
         self.debug_checks = os.environ.get("NANOINFER_DEBUG_CHECKS", "0") == "1"
-        # Overlap host work with the device: plan step N+1 while step N runs. TP workers
-        # need each step's tokens on the host first, so TP runs synchronously.
-        self.async_scheduling = config.async_scheduling and self.tp_driver is None
+        # Overlap host work with the device: plan step N+1 while step N runs (also with TP:
+        # workers get the sampled tokens on the device).
+        self.async_scheduling = config.async_scheduling
         self.in_flight = None
 
     def limits(self) -> EngineLimits:

@@ -15,7 +15,7 @@ import torch
 from nanoinfer.attention.backend import get_attention_backend
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
-from nanoinfer.distributed.parallel_state import tp_rank
+from nanoinfer.distributed.parallel_state import tp_broadcast_from_rank0, tp_rank
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
@@ -232,13 +232,19 @@ class ModelRunner:
             self.last_future = None
             return RunnerFuture([], None, None)
         logits = self.model.compute_logits(hidden[logits_indices])
-        if tp_rank() != 0:  # TP workers: rank 0 samples and sends the tokens (add_sampled_tokens)
-            return None
-        sampled, errors = self._sample(logits, sample_states, output_index)
-        self.prev_sampled = sampled.sampled_token_ids
+        # Rank 0 samples; TP workers receive the tokens on the device, so that, like rank 0, they can
+        # feed them to the next step before anyone has read them back (async scheduling).
+        if tp_rank() == 0:
+            sampled, errors = self._sample(logits, sample_states, output_index)
+            token_ids = sampled.sampled_token_ids
+        else:
+            token_ids = torch.empty(len(sample_states), dtype=torch.long, device=self.device)
+        self.prev_sampled = tp_broadcast_from_rank0(token_ids)
         self.prev_rows = {s.req_id: i for i, s in enumerate(sample_states)}
-        self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(sampled.sampled_token_ids),
-                                        errors)
+        if tp_rank() != 0:
+            return None
+        positions = [s.prompt_len + i for s, i in zip(sample_states, output_index)]
+        self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(token_ids), errors, positions)
         return self.last_future
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
@@ -272,10 +278,14 @@ class ModelRunner:
             device=self.device,
         )
 
-    def add_sampled_tokens(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """TP workers: append the tokens rank 0 sampled, so every rank keeps the same token lists."""
-        for req_id, token_id in zip(req_ids, token_ids):
-            self.requests[req_id].token_ids.append(token_id)
+    def add_sampled_tokens(self, req_ids: list[str], positions: list[int], token_ids: list[int]) -> None:
+        """TP workers: append the tokens rank 0 has read back, so every rank keeps the same token lists.
+        A token whose position the request already holds (it was re-added with its tokens after a
+        preemption) or that belongs to a request gone meanwhile is skipped."""
+        for req_id, position, token_id in zip(req_ids, positions, token_ids):
+            state = self.requests.get(req_id)
+            if state is not None and len(state.token_ids) == position:
+                state.token_ids.append(token_id)
 
     def _min_tokens_stop_ids(self, state: CachedRequestState) -> set[int]:
         """Token ids masked while the request is below min_tokens (none when min_tokens is 0)."""

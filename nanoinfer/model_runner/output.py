@@ -60,10 +60,15 @@ class RunnerFuture:
 
     def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
                  host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
-                 errors: dict[str, str] | None = None) -> None:
+                 errors: dict[str, str] | None = None, positions: list[int] | None = None) -> None:
         self.states, self.sampled, self.host_copy = states, sampled, host_copy
         self.errors = errors or {}
+        self.positions = positions or []  # each sampled token's index in its request's token list
         self._output: ModelRunnerOutput | None = None
+
+    def done(self) -> bool:
+        """Whether `result()` has been read (it is not waited for here)."""
+        return self._output is not None
 
     def result(self) -> ModelRunnerOutput:
         if self._output is None:

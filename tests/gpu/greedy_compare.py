@@ -1,0 +1,63 @@
+"""Greedy outputs of two code paths compared the way rounding allows.
+
+Two correct implementations that sum in another order (fused kernels, split GEMMs,
+an all-reduce) can flip a near-tie, and the sequences then diverge. So outputs
+must agree token for token until the first difference, and there the reference
+must have ranked the other path's token within `tol` of its own (a tie); a wrong
+kernel diverges where the reference is sure."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+
+import torch
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "nanoinfer", "configs")
+TOP_LOGPROBS = 5
+
+
+def prompts(n: int = 32) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randint(0, 10000) for _ in range(rng.randint(5, 300))] for _ in range(n)]
+
+
+def greedy(model: str, **engine_args) -> list:
+    """The CompletionOutputs of 64 greedy tokens for each of 32 prompts, with top-5 logprobs."""
+    from nanoinfer import LLM, SamplingParams
+
+    engine_args = {"max_model_len": 2048, "gpu_memory_utilization": 0.4, **engine_args}
+    llm = LLM(model, **engine_args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=TOP_LOGPROBS)
+        return [o.outputs[0] for o in llm.generate(prompts(), params, use_tqdm=False)]
+    finally:
+        llm.close()
+        del llm
+        gc.collect()  # engines hold reference cycles; free this one's memory before the next sizes itself
+        torch.cuda.empty_cache()
+
+
+def assert_greedy_close(reference: list, tested: list, tol: float = 1e-3, max_diverged: float = 0.25) -> None:
+    """Token-for-token equality up to near-ties of the reference (see the module docstring); at
+    most `max_diverged` of the sequences may diverge at such ties."""
+    diverged = 0
+    for i, (ref, out) in enumerate(zip(reference, tested)):
+        for pos, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
+            if a != b:
+                top = ref.logprobs[pos]
+                assert b in top and top[a] - top[b] <= tol, (
+                    f"prompt {i}, token {pos}: {b} instead of {a}; the reference's top logprobs {top}")
+                diverged += 1
+                break
+    print(f"{diverged} of {len(reference)} sequences diverged at near-ties")
+    assert diverged <= max_diverged * len(reference), f"{diverged} of {len(reference)} sequences diverged"
+
+
+def common_prefix(a: list, b: list) -> float:
+    """Mean number of leading tokens two lists of outputs agree on."""
+    total = 0
+    for x, y in zip(a, b):
+        total += next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
+    return total / len(a)
