@@ -22,7 +22,7 @@ run() {  # run LIMIT_S NAME CMD...: one command under a time limit, log to $OUT/
 }
 EIGHT_B=(--model nanoinfer/configs/qwen3-8b.json --max-model-len 2048)
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 250 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -p no:cacheprovider --timeout 150
+  run 400 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -p no:cacheprovider --timeout 150
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench1 ]; then
   CUDA_VISIBLE_DEVICES=0 run 200 throughput_tp1 python3 -X faulthandler bench/throughput.py "${EIGHT_B[@]}" --no-tqdm \

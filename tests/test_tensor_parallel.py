@@ -116,9 +116,12 @@ def test_dummy_weights_are_the_same_model_for_every_tp_size(tmp_path, monkeypatc
     assert not torch.equal(full["model.embed_tokens.weight"], full["lm_head.weight"])  # per-name seeds
 
 
-def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference) -> None:
-    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, **PRESSURE)
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduling: bool) -> None:
+    """Async: workers feed each step's tokens from rank 0's broadcast before any host list has them."""
+    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, async_scheduling=async_scheduling, **PRESSURE)
     try:
+        assert llm.engine.core.async_scheduling is async_scheduling
         tokens, logprobs = run_tiny(llm)
         assert tokens == tiny_reference[0]
         assert llm.engine.core.scheduler.num_preemptions > 0
