@@ -19,11 +19,13 @@ run() {  # run LIMIT_S NAME CMD...: one command under a time limit, log to $OUT/
   local t0=$SECONDS
   timeout -s ABRT "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
-  grep -E "RESULT|passed|failed|Error|error" "$OUT/$name.log" | tail -n 8
+  grep -E "RESULT|passed|failed|PASSED|FAILED|Error|error|diverged|bf16" "$OUT/$name.log" | tail -n 12
 }
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 240 gpu_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/gpu/test_triton_gpu.py \
-    tests/test_sampler.py -q -p no:cacheprovider
+  run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
+    -v -s -p no:cacheprovider --timeout 150
+  run 300 gpu_kernel_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_triton_gpu.py -q -p no:cacheprovider \
+    --timeout 120 --durations 5
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   run 200 throughput python3 -X faulthandler bench/throughput.py --max-model-len 2048 --no-tqdm --step-stats \
