@@ -2,8 +2,9 @@
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.llm import LLM
-from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from nanoinfer.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "RequestOutputKind", "CompletionOutput",
+           "__version__"]

@@ -3,7 +3,16 @@ deltas, and the user-facing results of `LLM.generate`."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far
+    DELTA = "delta"  # only what is new since the request's previous output
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass
@@ -52,9 +61,28 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One user request's state: its completions (one per child, `n`), whole or as deltas
+    depending on the request's RequestOutputKind."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later DELTA output of this request into this one, so that a reader who fell
+        behind gets one combined delta instead of a backlog."""
+        mine = {c.index: c for c in self.outputs}
+        for c in later.outputs:
+            if c.index not in mine:
+                self.outputs.append(c)
+                continue
+            merged = mine[c.index]
+            merged.text += c.text
+            merged.token_ids = merged.token_ids + c.token_ids
+            if c.logprobs is not None:
+                merged.logprobs = (merged.logprobs or []) + c.logprobs
+            merged.finish_reason, merged.stop_reason = c.finish_reason, c.stop_reason
+        self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens

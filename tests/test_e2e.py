@@ -165,3 +165,33 @@ def test_stop_token_ids_end_the_request(tiny_models, tiny_reference) -> None:
     later = llm.generate(_tiny_prompts()[0], SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[stop],
                                                             min_tokens=first + 2), use_tqdm=False)[0].outputs[0]
     assert len(later.token_ids) > first + 1 and stop not in later.token_ids[: first + 1]
+
+
+def test_output_kinds(smol: LLM) -> None:
+    """CUMULATIVE outputs grow; DELTA outputs add up to the same completion (text, tokens,
+    logprobs, with a stop string held back until it cannot leak); FINAL_ONLY gives one output.
+    Both children of an n=2 request are tracked separately."""
+    from nanoinfer import RequestOutputKind
+
+    engine = smol.engine
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, logprobs=2, stop=[" the"])
+    seen: dict[RequestOutputKind, list] = {}
+    for kind in RequestOutputKind:
+        engine.add_request(kind.value, PROMPTS[2], params, output_kind=kind)
+        seen[kind] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[RequestOutputKind(out.request_id)].append(out)
+    cumulative, delta, final = (seen[k] for k in RequestOutputKind)
+    assert len(final) == 1 and final[0].finished and len(delta) > 2 and len(cumulative) == len(delta)
+    for index in (0, 1):
+        whole = final[0].outputs[index]
+        assert cumulative[-1].outputs[index] == whole
+        parts = [o.outputs[index] for o in delta]
+        assert "".join(p.text for p in parts) == whole.text
+        assert [t for p in parts for t in p.token_ids] == whole.token_ids
+        assert [lp for p in parts for lp in p.logprobs] == whole.logprobs
+        assert parts[-1].finish_reason == whole.finish_reason
+        lengths = [len(o.outputs[index].token_ids) for o in cumulative]
+        assert lengths == sorted(lengths)
+    assert final[0].outputs[0].text != final[0].outputs[1].text  # seeded per child: two samples

@@ -449,3 +449,26 @@ def test_metrics_move(server, client):
     for name in ("nanoinfer:num_requests_waiting", "nanoinfer:kv_cache_usage_perc", "nanoinfer:prefix_cache_hits_total",
                  "nanoinfer:num_preemptions_total"):
         assert name in names
+
+
+def test_output_stream_merges_deltas_for_a_slow_reader() -> None:
+    """Deltas that arrive before the reader takes them come out as one, in order."""
+    from nanoinfer.outputs import CompletionOutput, RequestOutput
+    from nanoinfer.server.core_client import OutputStream
+
+    def delta(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:
+        logprobs = [{t: -1.0} for t in tokens]
+        return RequestOutput("r-0", None, [1, 2], [CompletionOutput(0, text, tokens, logprobs, finish)], finish is not None)
+
+    async def read() -> list[dict]:
+        stream = OutputStream(["r-0"])
+        stream.put(delta("Hel", [5]))
+        stream.put(delta("lo", [6, 7]))
+        first = await stream.__anext__()
+        stream.put(delta("!", [8], "stop"))
+        return [first] + [updates async for updates in stream]
+
+    first, last = asyncio.run(read())
+    merged = first["r-0"].outputs[0]
+    assert (merged.text, merged.token_ids, merged.logprobs) == ("Hello", [5, 6, 7], [{5: -1.0}, {6: -1.0}, {7: -1.0}])
+    assert last["r-0"].finished and last["r-0"].outputs[0].token_ids == [8]

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.llm_engine import LLMEngine
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import RequestOutput, RequestOutputKind
 from nanoinfer.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -50,7 +50,7 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY)
         except Exception:
             for request_id in ids:  # all or nothing: take back what was added
                 self.engine.abort_request(request_id)
@@ -62,7 +62,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, num_output_tokens = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step(final_only=True):
+            for out in self.engine.step():
                 if out.finished:
                     results[out.request_id] = out
                     num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
@@ -87,16 +87,13 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (stop strings never leak)."""
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, prompt, sampling_params)
-        sent = 0
+        self.engine.add_request(request_id, prompt, sampling_params, output_kind=RequestOutputKind.DELTA)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.request_id == request_id:
-                        text = out.outputs[0].text
-                        if len(text) > sent:
-                            yield text[sent:]
-                            sent = len(text)
+                        if out.outputs[0].text:
+                            yield out.outputs[0].text
                         if out.finished:
                             return
         finally:

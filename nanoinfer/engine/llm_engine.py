@@ -13,7 +13,7 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import RequestOutput, RequestOutputKind
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 
@@ -53,14 +53,15 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None) -> None:
+                    priority: int = 0, cache_salt: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
         self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(children))
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                                          params, [c.request_id for c in children])
+                                          params, [c.request_id for c in children], output_kind)
         for child in children:
             self.core.add_request(child)
 
@@ -71,10 +72,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one engine step; return the requests that got new tokens (only the
-        finished ones if `final_only`)."""
-        outputs, stopped = self.output_processor.process_outputs(self.core.step(), final_only)
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the outputs of the requests that got new tokens, each
+        as its output kind asks (FINAL_ONLY requests only when they finish)."""
+        outputs, stopped = self.output_processor.process_outputs(self.core.step())
         if stopped:
             self.core.abort_requests(list(stopped), RequestStatus.FINISHED_STOPPED)
         return outputs

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprobs
+from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, RequestOutputKind, TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoinfer")
@@ -28,6 +28,7 @@ class ChildState:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_sent: int = 0  # tokens already in an output (DELTA)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class ParentState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: dict[str, ChildState]
+    output_kind: RequestOutputKind
     num_cached_tokens: int = 0
 
     @property
@@ -50,13 +52,14 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str]) -> None:
+                    params: SamplingParams, child_ids: list[str],
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         children = {}
         for i, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer else None
             children[child_id] = ChildState(i, detok, logprobs=[] if params.logprobs is not None else None)
             self.child_to_parent[child_id] = request_id
-        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children)
+        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children, output_kind)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -65,13 +68,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput],
-                        final_only: bool = False) -> tuple[list[RequestOutput], dict[str, str]]:
-        """Returns the updated requests' outputs (only finished ones if `final_only`:
-        building an output copies its tokens, which offline generation need not
-        pay every step) and the children finished here, with their finish reason:
-        "stop" for a stop string, "error" when detokenizing raised (the caller
-        must end them in the core)."""
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
+        """Returns the updated requests' outputs, each as its RequestOutputKind asks (a
+        cumulative output copies the request's tokens, which a FINAL_ONLY or DELTA request
+        never pays every step), and the children finished here, with their finish reason:
+        "stop" for a stop string, "error" when detokenizing raised (the caller must end
+        them in the core)."""
         touched: dict[str, ParentState] = {}
         stopped: dict[str, str] = {}
         for out in outputs:
@@ -99,7 +101,8 @@ class OutputProcessor:
                     child.finish_reason, child.stop_reason = "stop", stop_str
                     stopped[out.request_id] = "stop"
             touched[parent_id] = parent
-        return [self._make_output(p) for p in touched.values() if not final_only or p.finished], stopped
+        return [self._make_output(p) for p in touched.values()
+                if p.output_kind is not RequestOutputKind.FINAL_ONLY or p.finished], stopped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished child aborted; returns the final output."""
@@ -112,13 +115,16 @@ class OutputProcessor:
         return self._make_output(parent)
 
     def _make_output(self, parent: ParentState) -> RequestOutput:
+        delta = parent.output_kind is RequestOutputKind.DELTA
         completions = []
         for child in parent.children.values():
             finished = child.finish_reason is not None
-            text = child.detokenizer.get_next_output_text(finished, delta=False) if child.detokenizer else ""
-            completions.append(CompletionOutput(child.index, text, list(child.token_ids),
-                                                list(child.logprobs) if child.logprobs is not None else None,
+            text = child.detokenizer.get_next_output_text(finished, delta) if child.detokenizer else ""
+            start = child.num_sent if delta else 0
+            logprobs = child.logprobs[start:] if child.logprobs is not None else None
+            completions.append(CompletionOutput(child.index, text, child.token_ids[start:], logprobs,
                                                 child.finish_reason, child.stop_reason))
+            child.num_sent = len(child.token_ids)
         finished = parent.finished
         if finished:
             del self.parents[parent.request_id]

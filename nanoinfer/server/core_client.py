@@ -19,7 +19,7 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
-from nanoinfer.outputs import RequestOutput
+from nanoinfer.outputs import RequestOutput, RequestOutputKind
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_process import run_engine_core
@@ -34,8 +34,10 @@ class EngineDeadError(RuntimeError):
 
 
 class OutputStream:
-    """The outputs of one API call's requests (one per prompt). Outputs are
-    cumulative, so a slow reader gets the newest one per request, never a backlog."""
+    """The outputs of one API call's requests (one per prompt): deltas for a streaming
+    call, one final output each otherwise. A delta that arrives before the reader took
+    the previous one is merged into it, so a slow reader gets one per request, never a
+    backlog."""
 
     def __init__(self, request_ids: list[str]) -> None:
         self.request_ids = request_ids
@@ -45,7 +47,11 @@ class OutputStream:
         self._event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        self._pending[output.request_id] = output
+        pending = self._pending.get(output.request_id)
+        if pending is None:
+            self._pending[output.request_id] = output
+        else:
+            pending.add(output)
         if output.finished:
             self.unfinished.discard(output.request_id)
         self._event.set()
@@ -170,8 +176,9 @@ class CoreClient:
     # ----- requests in -----
 
     def generate(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0,
-                 cache_salt: str | None = None) -> OutputStream:
-        """Admit one API call's prompts (all or none); request i is `{request_id}-{i}`.
+                 cache_salt: str | None = None, stream: bool = False) -> OutputStream:
+        """Admit one API call's prompts (all or none); request i is `{request_id}-{i}`. A
+        `stream` gets deltas as tokens arrive, otherwise one final output per prompt.
 
         Raises ValueError / TypeError for bad input, OverflowError when the
         waiting queue is full, EngineDeadError when the core is gone."""
@@ -188,17 +195,18 @@ class CoreClient:
             frames = [pack(MessageType.ADD, encode_request(child)) for child in children]
         except (OverflowError, ValueError) as e:  # msgpack holds integers of at most 64 bits
             raise ValueError(f"a number in the request is out of range: {e}") from None
-        stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
+        output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        outputs = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
         for i, (prompt, (prompt_ids, group)) in enumerate(zip(prompts, admitted)):
-            self.output_processor.add_request(stream.request_ids[i], prompt if isinstance(prompt, str) else None,
-                                              prompt_ids, params, [child.request_id for child in group])
-            self.streams[stream.request_ids[i]] = stream
+            self.output_processor.add_request(outputs.request_ids[i], prompt if isinstance(prompt, str) else None,
+                                              prompt_ids, params, [child.request_id for child in group], output_kind)
+            self.streams[outputs.request_ids[i]] = outputs
             for child in group:
                 self.metrics.start_request(child.request_id, child.arrival_time, len(prompt_ids))
                 self.waiting.add(child.request_id)
         for frame in frames:
             self._send_packed(frame)
-        return stream
+        return outputs
 
     def _check_output_tokens(self, total: int) -> None:
         limit = self.max_output_tokens_per_request

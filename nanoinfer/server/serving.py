@@ -11,8 +11,8 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -44,12 +44,16 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _usage(outputs: Iterable[RequestOutput]) -> dict:
-    outputs = list(outputs)
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+def _usage(outputs: list[RequestOutput]) -> dict:
+    """The usage of whole (final) outputs."""
+    return _usage_counts(sum(len(o.prompt_token_ids) for o in outputs),
+                         sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                         sum(o.num_cached_tokens for o in outputs))
+
+
+def _usage_counts(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclass
@@ -68,34 +72,45 @@ class _Delta:
 
 @dataclass
 class _Sent:
-    text_len: int = 0
-    num_tokens: int = 0
+    text_len: int = 0  # characters sent so far
+    token_ids: list[int] = field(default_factory=list)  # tokens not sent yet (their text may lag)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
     started: bool = False
     finished: bool = False
 
 
 class _DeltaTracker:
-    """Turns the cumulative outputs of a stream into per-choice deltas."""
+    """Turns a stream's delta outputs into per-choice chunks, and counts its usage."""
 
     def __init__(self, request_ids: list[str], n: int) -> None:
         self.position = {request_id: i for i, request_id in enumerate(request_ids)}
         self.n = n
         self.sent: dict[tuple[str, int], _Sent] = {}
-        self.latest: dict[str, RequestOutput] = {}
+        self.prompt_tokens: dict[str, int] = {}
+        self.completion_tokens = 0
+        self.cached_tokens: dict[str, int] = {}
 
     def update(self, updates: dict[str, RequestOutput]) -> Iterator[_Delta]:
         for request_id, output in updates.items():
-            self.latest[request_id] = output
+            self.prompt_tokens[request_id] = len(output.prompt_token_ids)
+            self.cached_tokens[request_id] = output.num_cached_tokens
             for c in output.outputs:
                 sent = self.sent.setdefault((request_id, c.index), _Sent())
-                text = c.text[sent.text_len:]
-                if sent.finished or not (text or c.finish_reason is not None):
+                if sent.finished:
+                    continue
+                self.completion_tokens += len(c.token_ids)
+                sent.token_ids += c.token_ids
+                sent.logprobs += c.logprobs or []
+                if not (c.text or c.finish_reason is not None):
                     continue  # text can lag tokens (incomplete characters, a possible stop string)
-                logprobs = c.logprobs[sent.num_tokens:] if c.logprobs is not None else None
-                yield _Delta(self.position[request_id] * self.n + c.index, output, c, text,
-                             c.token_ids[sent.num_tokens:], logprobs, sent.text_len, not sent.started)
-                sent.text_len, sent.num_tokens = len(c.text), len(c.token_ids)
+                yield _Delta(self.position[request_id] * self.n + c.index, output, c, c.text, sent.token_ids,
+                             sent.logprobs if c.logprobs is not None else None, sent.text_len, not sent.started)
+                sent.text_len += len(c.text)
+                sent.token_ids, sent.logprobs = [], []
                 sent.started, sent.finished = True, c.finish_reason is not None
+
+    def usage(self) -> dict:
+        return _usage_counts(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
 
 
 class EventStreamResponse(StreamingResponse):
@@ -234,7 +249,7 @@ class OpenAIServing:
             logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r", request_id, texts, params,
                         req.priority, req.cache_salt)
         try:
-            return self.client.generate(request_id, prompts, params, req.priority, req.cache_salt)
+            return self.client.generate(request_id, prompts, params, req.priority, req.cache_salt, req.stream)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
         except OverflowError as e:
@@ -288,7 +303,7 @@ class OpenAIServing:
                         raise _request_failed(base["id"])
                     yield _event(base | {"choices": [render(delta)]} | ({"usage": None} if include_usage else {}))
             if include_usage:
-                yield _event(base | {"choices": [], "usage": _usage(tracker.latest.values())})
+                yield _event(base | {"choices": [], "usage": tracker.usage()})
         except EngineDeadError as e:
             yield _event(ApiError(503, str(e)).body())
         except ApiError as e:  # a request failed inside the engine: the stream ends (closing it aborts the rest)
