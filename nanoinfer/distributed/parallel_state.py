@@ -10,11 +10,14 @@ workers may wait for as long as the engine sits idle.
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("nanoinfer")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -65,10 +68,13 @@ def destroy_tensor_parallel() -> None:
     died), so it can hang; an abort is local. gloo-only (CPU) groups are destroyed normally."""
     global _control_group, _uses_nccl
     if dist.is_initialized():
-        if _uses_nccl:
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
+        try:
+            if _uses_nccl:
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        except Exception:  # shutting down: say so, but let the rest of the shutdown run
+            logger.exception("leaving the tensor-parallel process group failed")
     _control_group, _uses_nccl = None, False
 
 
