@@ -29,7 +29,7 @@ class EngineConfig:
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the byte budgets; for tests)")
     enforce_eager: bool = _arg(False, "disable CUDA graphs")
-    async_scheduling: bool = _arg(True, "plan the next step while the current one runs (off with tensor parallelism)")
+    async_scheduling: bool = _arg(True, "plan the next step while the current one runs")
     attention_backend: str = _arg("auto", "attention implementation (auto: triton on GPU, torch on CPU)", ("auto", "torch", "triton"))
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel ranks")

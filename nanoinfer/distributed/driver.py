@@ -12,12 +12,12 @@ step) and as host lists with a later step's message.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 import multiprocessing.connection
 import os
 import signal
 import time
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Iterator
