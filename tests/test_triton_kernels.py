@@ -103,27 +103,10 @@ def rel_err(out, ref, num_tokens):
 
 
 def run_kernel(query, k_cache, v_cache, metadata, scale, **overrides):
-    config = pa.choose_config(
-        num_heads=query.shape[1],
-        num_kv_heads=k_cache.shape[2],
-        dtype=query.dtype,
-        max_query_len=metadata.max_query_len,
-        num_seqs=metadata.num_seqs,
-        max_seq_len=metadata.max_seq_len,
-        num_sms=1,
-    )
-    config = dataclasses.replace(config, **overrides)
-    return pa.paged_attention(
-        query,
-        k_cache,
-        v_cache,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        metadata.block_tables,
-        scale,
-        max_query_len=metadata.max_query_len,
-        config=config,
-    )
+    """The backend's forward with some of its launch configuration pinned."""
+    backend = triton_backend.TritonAttentionBackend()
+    config = dataclasses.replace(backend.launch_config(query, k_cache, metadata), **overrides)
+    return backend.forward(query, k_cache, v_cache, metadata, scale, config)
 
 
 # (q_lens, seq_lens): a decode row, a prefill over a cached prefix, a fresh

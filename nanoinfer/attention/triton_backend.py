@@ -11,7 +11,7 @@ import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.kernels.kv_write import write_kv
-from nanoinfer.kernels.paged_attention import choose_config, paged_attention
+from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
 
 
 @functools.cache
@@ -28,8 +28,9 @@ class TritonAttentionBackend:
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         write_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        config = choose_config(
+    def launch_config(self, query, k_cache, metadata: AttentionMetadata) -> PagedAttentionConfig:
+        """The kernel's tiles and split count for this batch, from host ints only."""
+        return choose_config(
             num_heads=query.shape[1],
             num_kv_heads=k_cache.shape[2],
             dtype=query.dtype,
@@ -38,6 +39,10 @@ class TritonAttentionBackend:
             max_seq_len=metadata.max_seq_len,
             num_sms=_num_sms(query.device),
         )
+
+    def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
+                config: PagedAttentionConfig | None = None) -> torch.Tensor:
+        """`config` replaces `launch_config`'s choice (the kernel tests pin tiles and splits)."""
         return paged_attention(
             query,
             k_cache,
@@ -47,5 +52,5 @@ class TritonAttentionBackend:
             metadata.block_tables,
             scale,
             max_query_len=metadata.max_query_len,
-            config=config,
+            config=config or self.launch_config(query, k_cache, metadata),
         )
