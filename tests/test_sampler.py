@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nanoinfer.sample.sampler import (
     Sampler,
     SamplingMetadata,
-    apply_min_p,
+    apply_filters,
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
@@ -104,13 +104,7 @@ def test_filter_functions_keep_exactly_the_allowed_set(rows):
     for row, p in rows:
         assume(allowed_tokens(row, p, slack=1e-4) == allowed_tokens(row, p, slack=-1e-4))
     metadata = build(params, 12)
-    logits = torch.tensor([row for row, _ in rows]) / metadata.temperature[:, None]
-    if metadata.top_p is not None:
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    elif metadata.top_k is not None:
-        logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
+    logits = apply_filters(torch.tensor([row for row, _ in rows]), metadata)
     for i, (row, p) in enumerate(rows):
         kept = set(torch.isfinite(logits[i]).nonzero().flatten().tolist())
         assert kept == allowed_tokens(row, p), p

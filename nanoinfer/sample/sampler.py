@@ -95,6 +95,12 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.all_random and not metadata.generators and metadata.top_k is None and metadata.top_p is None \
             and metadata.min_p is None:
         return temperature_sample(logits, metadata.temperature)
+    random = exponential_race(apply_filters(logits, metadata).softmax(dim=-1), metadata.generators)
+    return random if metadata.all_random else torch.where(metadata.is_greedy, greedy, random)
+
+
+def apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, then top-k / top-p, then min-p: filtered-out tokens become -inf."""
     logits = logits / metadata.temperature[:, None]
     if metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
@@ -102,8 +108,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
     if metadata.min_p is not None:
         logits = apply_min_p(logits, metadata.min_p)
-    random = exponential_race(logits.softmax(dim=-1), metadata.generators)
-    return random if metadata.all_random else torch.where(metadata.is_greedy, greedy, random)
+    return logits
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
