@@ -6,21 +6,8 @@
 #   bash bench/gpu_suite.sh [all|tests|bench|serving]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/nanoinfer-out}; mkdir -p "$OUT"
-ulimit -c 0  # no core files: dumping a CUDA process's address space takes minutes
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 NANOINFER_COMMIT=${NANOINFER_COMMIT:-unknown}
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
+source "$(dirname "$0")/suite_common.sh"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
-what=${1:-all}
-run() {  # run LIMIT_S NAME CMD...: one command under a time limit, log to $OUT/NAME.log
-  local limit=$1 name=$2; shift 2
-  local t0=$SECONDS
-  timeout -s ABRT "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - t0)) s"
-  grep -E "RESULT|passed|failed|PASSED|FAILED|Error|error|diverged|bf16" "$OUT/$name.log" | tail -n 12
-}
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -v -s -p no:cacheprovider --timeout 150

@@ -1,0 +1,19 @@
+# Sourced by bench/gpu_suite.sh and bench/tp_suite.sh: the device-call setup and `run`.
+# Logs go to $OUT unpiped (a pipe would wait for any worker process still holding it open).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/nanoinfer-out}; mkdir -p "$OUT"
+ulimit -c 0  # no core files: dumping a CUDA process's address space takes minutes
+# NVLink multicast stays off everywhere (see the device tool's KINDS.md).
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_DEBUG=${NCCL_DEBUG:-WARN} NANOINFER_COMMIT=${NANOINFER_COMMIT:-unknown}
+what=${1:-all}
+
+run() {  # run LIMIT_S NAME CMD...: one command under a time limit (SIGABRT: faulthandler shows where
+  # it was), log to $OUT/NAME.log, then the log's result lines
+  local limit=$1 name=$2; shift 2
+  local t0=$SECONDS
+  timeout -s ABRT "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - t0)) s"
+  grep -E "RESULT|passed|failed|PASSED|FAILED|Error|error|diverged|bf16" "$OUT/$name.log" | tail -n 12
+}
