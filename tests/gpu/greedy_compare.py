@@ -39,18 +39,22 @@ def greedy(model: str, **engine_args) -> list:
         torch.cuda.empty_cache()
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two sequences differ; None if one is a prefix of the other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def assert_greedy_close(reference: list, tested: list, tol: float = 1e-3, max_diverged: float = 0.25) -> None:
     """Token-for-token equality up to near-ties of the reference (see the module docstring); at
     most `max_diverged` of the sequences may diverge at such ties."""
     diverged = 0
     for i, (ref, out) in enumerate(zip(reference, tested)):
-        for pos, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
-            if a != b:
-                top = ref.logprobs[pos]
-                assert b in top and top[a] - top[b] <= tol, (
-                    f"prompt {i}, token {pos}: {b} instead of {a}; the reference's top logprobs {top}")
-                diverged += 1
-                break
+        pos = first_difference(ref.token_ids, out.token_ids)
+        if pos is not None:
+            a, b, top = ref.token_ids[pos], out.token_ids[pos], ref.logprobs[pos]
+            assert b in top and top[a] - top[b] <= tol, (
+                f"prompt {i}, token {pos}: {b} instead of {a}; the reference's top logprobs {top}")
+            diverged += 1
     print(f"{diverged} of {len(reference)} sequences diverged at near-ties")
     assert diverged <= max_diverged * len(reference), f"{diverged} of {len(reference)} sequences diverged"
 
@@ -59,5 +63,6 @@ def common_prefix(a: list, b: list) -> float:
     """Mean number of leading tokens two lists of outputs agree on."""
     total = 0
     for x, y in zip(a, b):
-        total += next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
+        pos = first_difference(x.token_ids, y.token_ids)
+        total += len(x.token_ids) if pos is None else pos
     return total / len(a)
