@@ -8,7 +8,7 @@ source "$(dirname "$0")/suite_common.sh"
 nvidia-smi -L
 EIGHT_B=(--model nanoinfer/configs/qwen3-8b.json --max-model-len 2048)
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 400 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -p no:cacheprovider --timeout 150
+  run 330 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -s --tb=short -p no:cacheprovider --timeout 150
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench1 ]; then
   CUDA_VISIBLE_DEVICES=0 run 200 throughput_tp1 python3 -X faulthandler bench/throughput.py "${EIGHT_B[@]}" --no-tqdm \

@@ -209,3 +209,20 @@ def test_worker_module_needs_the_env_rendezvous() -> None:
     done = subprocess.run([sys.executable, "-m", "nanoinfer.distributed.worker"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE" in done.stderr
+
+
+def test_a_stuck_group_teardown_does_not_hang_the_shutdown(monkeypatch, caplog) -> None:
+    """If leaving the process group never returns (a stuck NCCL abort), closing gives up after its
+    timeout with a logged error instead of hanging the engine's shutdown."""
+    from nanoinfer.distributed import parallel_state
+
+    release = threading.Event()
+    monkeypatch.setattr(parallel_state, "_leave_groups", lambda uses_nccl: release.wait())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.destroy_tensor_parallel(timeout_s=0.2)
+        assert "did not finish within" in caplog.text
+    finally:
+        release.set()
+        dist.destroy_process_group()
+    assert not dist.is_initialized()

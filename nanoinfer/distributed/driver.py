@@ -34,6 +34,7 @@ from nanoinfer.distributed.parallel_state import (
     init_tensor_parallel,
     split_cpu_threads,
     tp_min,
+    wait_for_device,
 )
 from nanoinfer.distributed.worker import LOCAL_HOST, StepMessage, ready_key, spawned_worker
 from nanoinfer.scheduler.output import SchedulerOutput
@@ -87,6 +88,8 @@ class _Workers:
     def shutdown(self) -> None:
         if self.serving:
             self.serving = False
+            if not any(p.exitcode is not None for p in self.processes):
+                wait_for_device()  # the workers run every step sent, so this ends; then they may leave
             try:
                 self.channel.send(None)
             except RuntimeError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -21,6 +22,7 @@ logger = logging.getLogger("nanoinfer")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 CONTROL_TIMEOUT = timedelta(days=365)
+LEAVE_TIMEOUT_S = 60.0
 
 _control_group: dist.ProcessGroup | None = None
 _uses_nccl = False
@@ -62,20 +64,41 @@ def split_cpu_threads(world_size: int) -> int:
     return previous
 
 
-def destroy_tensor_parallel() -> None:
+def wait_for_device() -> None:
+    """Wait until this rank's GPU has run every launched step (a no-op on CPU). Called on a clean
+    shutdown before a rank leaves: an abort while a collective is still running on one GPU leaves
+    the peer's half of it spinning, and its own abort then hangs."""
+    if _uses_nccl:
+        torch.cuda.synchronize()
+
+
+def destroy_tensor_parallel(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     """Leave the TP groups. On GPUs each rank aborts its NCCL communicators: a clean NCCL shutdown
     finalizes them, which waits for the other ranks, and ranks leave at different times (or one has
-    died), so it can hang; an abort is local. gloo-only (CPU) groups are destroyed normally."""
+    died), so it can hang; an abort is local. gloo-only (CPU) groups are destroyed normally. It runs
+    in a thread given `timeout_s`, so that a stuck NCCL call cannot hang the engine's shutdown (the
+    group is then left as it is and logged)."""
     global _control_group, _uses_nccl
-    if dist.is_initialized():
-        try:
-            if _uses_nccl:
-                dist.distributed_c10d._abort_process_group()
-            else:
-                dist.destroy_process_group()
-        except Exception:  # shutting down: say so, but let the rest of the shutdown run
-            logger.exception("leaving the tensor-parallel process group failed")
+    if not dist.is_initialized():
+        return
+    leave = threading.Thread(target=_leave_groups, args=(_uses_nccl,), name="nanoinfer-tp-leave", daemon=True)
+    leave.start()
+    leave.join(timeout_s)
+    if leave.is_alive():
+        logger.error("leaving the tensor-parallel process group did not finish within %.0f s; it is left "
+                     "as it is (this process cannot start another tensor-parallel engine)", timeout_s)
+        return
     _control_group, _uses_nccl = None, False
+
+
+def _leave_groups(uses_nccl: bool) -> None:
+    try:
+        if uses_nccl:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+    except Exception:  # shutting down: say so, but let the rest of the shutdown run
+        logger.exception("leaving the tensor-parallel process group failed")
 
 
 def control_group() -> dist.ProcessGroup:

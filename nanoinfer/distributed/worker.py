@@ -30,6 +30,7 @@ from nanoinfer.distributed.parallel_state import (
     init_tensor_parallel,
     split_cpu_threads,
     tp_min,
+    wait_for_device,
 )
 from nanoinfer.scheduler.output import SchedulerOutput
 
@@ -83,6 +84,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, store: dist.Store | 
         while (message := channel.recv()) is not None:
             runner.add_sampled_tokens(message.sampled_req_ids, message.sampled_positions, message.sampled_token_ids)
             runner.execute_model(message.scheduler_output)
+        wait_for_device()  # rank 0 stopped cleanly: finish our half of every collective before leaving
     finally:
         destroy_tensor_parallel()
 
