@@ -20,7 +20,7 @@ import weakref
 from collections import deque
 from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,7 @@ class _Workers:
         self.channel: BroadcastChannel | None = None
         self.serving = False  # the workers are in their step loop, so they can be told to stop
         self.cpu_threads: int | None = None  # rank 0's torch thread count before a CPU run split the cores
+        self.release_cuda_graphs: Callable[[], None] | None = None  # rank 0's runner's, once attached
 
     def shutdown(self) -> None:
         if self.serving:
@@ -103,6 +104,8 @@ class _Workers:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self.release_cuda_graphs is not None:
+            self.release_cuda_graphs()
         destroy_tensor_parallel()
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
@@ -174,6 +177,7 @@ class TensorParallelDriver:
     def attach(self, runner: ModelRunner) -> None:
         """Rank 0's runner is built; from here on the workers follow every step."""
         self.runner = runner
+        self.workers.release_cuda_graphs = runner.release_cuda_graphs
         self.workers.serving = True
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:

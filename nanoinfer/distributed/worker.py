@@ -85,6 +85,7 @@ def run_worker(rank: int, world_size: int, local_rank: int, store: dist.Store | 
             runner.add_sampled_tokens(message.sampled_req_ids, message.sampled_positions, message.sampled_token_ids)
             runner.execute_model(message.scheduler_output)
         wait_for_device()  # rank 0 stopped cleanly: finish our half of every collective before leaving
+        runner.release_cuda_graphs()
     finally:
         destroy_tensor_parallel()
 

@@ -124,6 +124,14 @@ class ModelRunner:
         self.cuda_graphs.capture()
         self._compile_eager_variants()
 
+    def release_cuda_graphs(self) -> None:
+        """Free the captured graphs (later decode steps run eagerly). NCCL keeps a communicator
+        in use while any graph that captured one of its collectives exists, so a TP rank must do
+        this before it leaves the group: an abort would otherwise wait forever."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs = None  # the only reference: the graphs and their memory pool go now
+            torch.cuda.synchronize()
+
     @torch.inference_mode()
     def _compile_eager_variants(self) -> None:
         """Compile now what the first requests would otherwise pay for mid-run: the
