@@ -313,8 +313,7 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
 def test_resolve_converts_once_and_replaces_unmarked_folder(tmp_path, cache_dir, caplog):
     path = str(tmp_path / "tiny.gguf")
     _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS)
-    stat = os.stat(path)
-    target = cache_dir / f"tiny-{stat.st_size}-{stat.st_mtime_ns}"
+    target = cache_dir / f"tiny-{gguf_loader.file_digest(path)}"
     target.mkdir()
     (target / "config.json").write_text("{}")  # a half folder from some other writer, without the marker
 
@@ -325,3 +324,20 @@ def test_resolve_converts_once_and_replaces_unmarked_folder(tmp_path, cache_dir,
     assert (target / MARKER_FILE).is_file()
     assert AutoConfig.from_pretrained(first).model_type == "llama"
     assert caplog.text.count("converting") == 1
+
+
+def test_cache_follows_the_bytes_and_keeps_one_conversion_per_file(tmp_path, cache_dir, caplog):
+    """A reinstalled copy (same bytes, new mtime) reuses the conversion; an edited file is
+    converted again and its older conversion is removed, so reinstalls never pile up copies."""
+    path = str(tmp_path / "edited.gguf")
+    _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS)
+    with caplog.at_level(logging.INFO, logger="nanoinfer"):
+        first = resolve_gguf(path)
+        os.utime(path, ns=(1, 1))
+        assert resolve_gguf(path) == first
+        assert caplog.text.count("converting") == 1
+        _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, False), HIDDEN // HEADS)
+        second = resolve_gguf(path)
+    assert second != first and caplog.text.count("converting") == 2
+    assert not os.path.exists(first) and os.path.isfile(os.path.join(second, MARKER_FILE))
+    assert sorted(p.name for p in cache_dir.glob("edited-*")) == [os.path.basename(second)]
