@@ -3,7 +3,7 @@
 # latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
 # all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
 # where it was); logs go to $OUT unpiped.
-#   bash bench/gpu_suite.sh [all|tests|bench|serving]
+#   bash bench/gpu_suite.sh [all|tests|bench|serving|profile]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 source "$(dirname "$0")/suite_common.sh"
@@ -31,4 +31,11 @@ if [ "$what" = all ] || [ "$what" = serving ]; then
     grep -E "throughput|Median|P99|Mean TTFT|Mean TPOT" "$OUT/serving_rate_$rate.log"
   done
   kill -TERM $server; wait $server; echo "server exit $?"; tail -n 3 "$OUT/server.log"
+fi
+if [ "$what" = profile ]; then  # not part of "all": where a step's time goes, with Chrome traces in $OUT
+  run 150 profile_decode_b1 python3 bench/profile_step.py --max-model-len 2048 --batch 1 --context 128 --steps 50 \
+    --trace "$OUT/trace_decode_b1.json"
+  run 150 profile_prefill_b1 python3 bench/profile_step.py --max-model-len 2048 --batch 1 --context 128 --prefill \
+    --trace "$OUT/trace_prefill_b1.json"
+  run 200 profile_decode_b256 python3 bench/profile_step.py --max-model-len 2048 --batch 256 --context 1000
 fi

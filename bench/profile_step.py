@@ -1,9 +1,12 @@
 """Where does a step's time go? Runs the engine to steady decode at a given
 batch and context (or stops at the first prefill steps with --prefill), then
 profiles steps: host functions with cProfile, device kernels with
-torch.profiler, and wall time per step.
+torch.profiler, wall time per step, and how much of it the GPU was busy (the
+rest is the idle gap between kernels that host work or waiting leaves).
 
-    python bench/profile_step.py --batch 256 --context 1000 [--prefill] [engine flags]
+    python bench/profile_step.py --batch 256 --context 1000 [--prefill] [--trace T.json] [engine flags]
+
+--trace writes a Chrome trace of the profiled steps (chrome://tracing, Perfetto) to see where the gaps are.
 """
 
 from __future__ import annotations
@@ -28,20 +31,39 @@ def timed_steps(engine, num_steps: int) -> float:
     return (time.perf_counter() - start) / num_steps * 1e3
 
 
-def profile(engine, num_steps: int) -> None:
+def gpu_busy_us(events) -> float:
+    """Time at least one kernel ran: the union of the GPU events' intervals (streams may overlap)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
+
+
+def profile(engine, num_steps: int, trace: str | None) -> None:
     """Host functions (cProfile) and device kernels (torch.profiler) of `num_steps` steps."""
     host = cProfile.Profile()
     host.enable()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as device:
+        start = time.perf_counter()
         for _ in range(num_steps):
             engine.step()
         torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / num_steps
     host.disable()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(20)
     print(text.getvalue()[:5000])
-    print(device.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    averages = device.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    busy_ms = gpu_busy_us(device.events()) / 1e3 / num_steps
+    print(f"per step under the profiler: wall {wall_ms:.3f} ms, GPU busy {busy_ms:.3f} ms, "
+          f"idle {wall_ms - busy_ms:.3f} ms ({(wall_ms - busy_ms) / wall_ms:.0%})")
+    if trace:
+        device.export_chrome_trace(trace)
 
 
 def main() -> None:
@@ -50,6 +72,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill", action="store_true", help="profile the first (prefill) steps instead of decode")
+    p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this file")
     args = p.parse_args()
     from nanoinfer import LLM, SamplingParams
 
@@ -61,13 +84,13 @@ def main() -> None:
     if args.prefill:
         for k in range(4):
             print(f"prefill step {k}: {timed_steps(engine, 1):.1f} ms")
-        profile(engine, 1)
+        profile(engine, 1, args.trace)
         return
     while len(engine.core.scheduler.waiting) or any(r.num_output_tokens == 0 for r in engine.core.scheduler.running):
         engine.step()
     timed_steps(engine, 5)  # settle
     print(f"wall per decode step at batch {args.batch}, context ~{args.context}: {timed_steps(engine, args.steps):.3f} ms")
-    profile(engine, 10)
+    profile(engine, 10, args.trace)
 
 
 if __name__ == "__main__":

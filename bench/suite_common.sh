@@ -1,7 +1,7 @@
 # Sourced by bench/gpu_suite.sh and bench/tp_suite.sh: the device-call setup and `run`.
 # Logs go to $OUT unpiped (a pipe would wait for any worker process still holding it open).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/nanoinfer-out}; mkdir -p "$OUT"
 ulimit -c 0  # no core files: dumping a CUDA process's address space takes minutes
 # NVLink multicast stays off everywhere (see the device tool's KINDS.md).
@@ -15,5 +15,5 @@ run() {  # run LIMIT_S NAME CMD...: one command under a time limit (SIGABRT: fau
   local t0=$SECONDS
   timeout -s ABRT "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "== $name: exit $? in $((SECONDS - t0)) s"
-  grep -E "RESULT|passed|failed|PASSED|FAILED|Error|error|diverged|bf16" "$OUT/$name.log" | tail -n 12
+  grep -E "RESULT|passed|failed|PASSED|FAILED|Error|error|diverged|bf16|wall per|per step under|prefill step" "$OUT/$name.log" | tail -n 12
 }
