@@ -9,18 +9,20 @@ from torch import nn
 from nanoinfer.layers.fusion import fused
 
 
-@fused
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Statistics in float32; the scale is applied in the input dtype, as HF does."""
+def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32; the scale is applied in the input dtype, as HF does. Plain
+    PyTorch, for the fused functions that include it."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+rms_norm = fused(rms_norm_math)
 
 
 @fused
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight, x
+    return rms_norm_math(x, weight, eps), x
 
 
 class RMSNorm(nn.Module):

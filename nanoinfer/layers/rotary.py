@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanoinfer.layers.fusion import fused
+from nanoinfer.layers.layernorm import RMSNorm, rms_norm_math
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -56,6 +57,13 @@ class RotaryEmbedding(nn.Module):
         """positions: [T]; query/key: [T, heads * head_dim] -> rotated, same shapes (math in float32)."""
         return apply_rotary(positions, query, key, self.cos_cache, self.sin_cache, self.head_dim)
 
+    def forward_with_qk_norm(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                             q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3: RMSNorm over each query and each key head, then rotate, as one fused region (three
+        small kernels per layer before, which at decode batch sizes cost more than their bytes)."""
+        return norm_heads_and_rotate(positions, query, key, q_norm.weight, k_norm.weight, q_norm.eps,
+                                     self.cos_cache, self.sin_cache, self.head_dim)
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
     shape = x.shape
@@ -67,6 +75,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
 @fused
 def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
                  sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_cache[positions].unsqueeze(1)
+    sin = sin_cache[positions].unsqueeze(1)
+    return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
+
+
+@fused
+def norm_heads_and_rotate(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor,
+                          k_weight: torch.Tensor, eps: float, cos_cache: torch.Tensor, sin_cache: torch.Tensor,
+                          head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    query = rms_norm_math(query.reshape(-1, head_dim), q_weight, eps).view(query.shape)
+    key = rms_norm_math(key.reshape(-1, head_dim), k_weight, eps).view(key.shape)
     cos = cos_cache[positions].unsqueeze(1)
     sin = sin_cache[positions].unsqueeze(1)
     return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)

@@ -46,7 +46,6 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias)
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.head_dim = head_dim
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -58,9 +57,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = self.rotary_emb.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
