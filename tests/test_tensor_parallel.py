@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import nanoinfer
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.distributed.channel import HEAD_BYTES, BroadcastChannel
 from nanoinfer.distributed.driver import WorkerDiedError
 from nanoinfer.layers import embedding as embedding_module
 from nanoinfer.layers import linear as linear_module
@@ -226,3 +227,34 @@ def test_a_stuck_group_teardown_does_not_hang_the_shutdown(monkeypatch, caplog) 
         release.set()
         dist.destroy_process_group()
     assert not dist.is_initialized()
+
+
+CHANNEL_MESSAGES = [None, {"step": 1}, *(b"x" * n for n in (HEAD_BYTES - 9, HEAD_BYTES - 8, HEAD_BYTES, 100_000))]
+
+
+def _receive_channel_messages(rank: int, port: int, results) -> None:
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        channel = BroadcastChannel(dist.group.WORLD)
+        results.put([channel.recv() for _ in CHANNEL_MESSAGES])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_channel_round_trips_messages_of_every_size() -> None:
+    """Messages shorter than, exactly at, and longer than the one-broadcast head arrive intact and in order."""
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    receiver = context.Process(target=_receive_channel_messages, args=(1, store.port, results))
+    receiver.start()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=2)
+    try:
+        channel = BroadcastChannel(dist.group.WORLD)
+        for message in CHANNEL_MESSAGES:
+            channel.send(message)
+        assert results.get(timeout=60) == CHANNEL_MESSAGES
+    finally:
+        dist.destroy_process_group()
+        receiver.join(30)
