@@ -176,6 +176,30 @@ def test_chunked_argmax_is_argmax(device, shape):
     assert torch.equal(chunked_argmax(x), torch.full((shape[0],), shape[1] - 1, device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0)] * 3,  # argmax
+    [SamplingParams(temperature=0.8)] * 3,  # the fused temperature sampler
+    [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0), SamplingParams(temperature=1.0)],
+    [SamplingParams(temperature=0.8, presence_penalty=0.5, logprobs=2)] * 3,  # upcast first
+], ids=["greedy", "temperature", "filters", "penalties_logprobs"])
+def test_bf16_logits_sample_as_their_float32_copy(device, params):
+    """bf16 logits are upcast where the sampler reads them, not copied to float32 first on the fast
+    paths: the tokens (and logprobs) are those of the float32 copy, draw for draw."""
+    torch.manual_seed(1)
+    logits = (torch.randn(3, 1000) * 3).to(device=device, dtype=torch.bfloat16)
+    outputs = [[5, 6, 7]] * 3
+    results = []
+    for x in (logits, logits.float()):
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.manual_seed(0)
+        results.append(Sampler()(x, build(params, 1000, device, outputs=outputs)))
+    assert torch.equal(results[0].sampled_token_ids, results[1].sampled_token_ids)
+    if results[0].logprobs is not None:
+        assert torch.equal(results[0].logprobs.logprobs, results[1].logprobs.logprobs)
+
+
 def direct_penalties(row, prompt, output, p):
     seen = set(prompt) | set(output)
     out = []
