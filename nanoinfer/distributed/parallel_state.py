@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -64,12 +65,21 @@ def split_cpu_threads(world_size: int) -> int:
     return previous
 
 
-def wait_for_device() -> None:
+def wait_for_device(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     """Wait until this rank's GPU has run every launched step (a no-op on CPU). Called on a clean
     shutdown before a rank leaves: an abort while a collective is still running on one GPU leaves
-    the peer's half of it spinning, and its own abort then hangs."""
-    if _uses_nccl:
-        torch.cuda.synchronize()
+    the peer's half of it spinning, and its own abort then hangs. Bounded: a peer that died unseen
+    would keep a collective from ever finishing, and leaving then goes on without waiting."""
+    if not _uses_nccl:
+        return
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() > deadline:
+            logger.error("this rank's GPU did not finish its launched steps within %.0f s; leaving anyway", timeout_s)
+            return
+        time.sleep(0.001)
 
 
 def destroy_tensor_parallel(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
