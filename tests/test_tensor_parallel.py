@@ -229,6 +229,20 @@ def test_a_stuck_group_teardown_does_not_hang_the_shutdown(monkeypatch, caplog) 
     assert not dist.is_initialized()
 
 
+def test_group_is_left_at_interpreter_exit_where_no_thread_can_start(monkeypatch) -> None:
+    """From Python 3.12 an atexit handler (the engine's finalizer) cannot start a thread: leaving
+    then happens in the calling thread."""
+    from nanoinfer.distributed import parallel_state
+
+    def no_threads(self):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", no_threads)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.destroy_tensor_parallel(timeout_s=0.2)
+    assert not dist.is_initialized()
+
+
 CHANNEL_MESSAGES = [None, {"step": 1}, *(b"x" * n for n in (HEAD_BYTES - 9, HEAD_BYTES - 8, HEAD_BYTES, 100_000))]
 
 

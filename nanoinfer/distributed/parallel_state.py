@@ -92,12 +92,16 @@ def destroy_tensor_parallel(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     if not dist.is_initialized():
         return
     leave = threading.Thread(target=_leave_groups, args=(_uses_nccl,), name="nanoinfer-tp-leave", daemon=True)
-    leave.start()
-    leave.join(timeout_s)
-    if leave.is_alive():
-        logger.error("leaving the tensor-parallel process group did not finish within %.0f s; it is left "
-                     "as it is (this process cannot start another tensor-parallel engine)", timeout_s)
-        return
+    try:
+        leave.start()
+    except RuntimeError:  # at interpreter exit (Python >= 3.12 starts no thread from atexit): leave here
+        _leave_groups(_uses_nccl)
+    else:
+        leave.join(timeout_s)
+        if leave.is_alive():
+            logger.error("leaving the tensor-parallel process group did not finish within %.0f s; it is left "
+                         "as it is (this process cannot start another tensor-parallel engine)", timeout_s)
+            return
     _control_group, _uses_nccl = None, False
 
 
