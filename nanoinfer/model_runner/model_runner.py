@@ -127,10 +127,10 @@ class ModelRunner:
     def release_cuda_graphs(self) -> None:
         """Free the captured graphs (later decode steps run eagerly). NCCL keeps a communicator
         in use while any graph that captured one of its collectives exists, so a TP rank must do
-        this before it leaves the group: an abort would otherwise wait forever."""
-        if self.cuda_graphs is not None:
-            self.cuda_graphs = None  # the only reference: the graphs and their memory pool go now
-            torch.cuda.synchronize()
+        this before it leaves the group: an abort would otherwise wait forever. The caller waits
+        for the GPU first, bounded (`wait_for_device`): an unbounded wait here could hang a
+        shutdown whose peer died mid-collective."""
+        self.cuda_graphs = None  # the only reference: the graphs and their memory pool go now
 
     @torch.inference_mode()
     def _compile_eager_variants(self) -> None:
