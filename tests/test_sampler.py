@@ -184,8 +184,8 @@ def test_chunked_argmax_is_argmax(device, shape):
     [SamplingParams(temperature=0.8, presence_penalty=0.5, logprobs=2)] * 3,  # upcast first
 ], ids=["greedy", "temperature", "filters", "penalties_logprobs"])
 def test_bf16_logits_sample_as_their_float32_copy(device, params):
-    """bf16 logits are upcast where the sampler reads them, not copied to float32 first on the fast
-    paths: the tokens (and logprobs) are those of the float32 copy, draw for draw."""
+    """Logits in the model's dtype (bf16) sample exactly as their float32 copy, draw for draw, on
+    every path (the sampler's math is float32 whatever the logits' dtype)."""
     torch.manual_seed(1)
     logits = (torch.randn(3, 1000) * 3).to(device=device, dtype=torch.bfloat16)
     outputs = [[5, 6, 7]] * 3

@@ -137,17 +137,15 @@ class ModelRunner:
         """Compile now what the first requests would otherwise pay for mid-run: the
         prefill kernel's tile variants (one per power-of-two query length up to its
         widest tile) and the fused sampler at batch 1 and 2 (torch.compile specialises
-        size 1), for logits in the model's dtype and in float32. Writes only into KV
-        blocks that hold no request yet."""
+        size 1). Writes only into KV blocks that hold no request yet."""
         for num_tokens in (2, 4, 8, 16, 32, 64, 128):
             metadata = self._metadata_for_single_sequence(num_tokens)
             with set_forward_context(metadata):
                 self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                            torch.arange(num_tokens, device=self.device))
-        for dtype in {self.dtype, torch.float32}:  # logits arrive in float32 when a row has penalties or logprobs
-            for batch in (1, 2):
-                temperature_sample(torch.zeros(batch, self.vocab_size, device=self.device, dtype=dtype),
-                                   torch.ones(batch, device=self.device))
+        for batch in (1, 2):
+            temperature_sample(torch.zeros(batch, self.vocab_size, device=self.device),
+                               torch.ones(batch, device=self.device))
         torch.cuda.synchronize()
 
     # ----- one step -----

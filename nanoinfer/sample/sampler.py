@@ -47,12 +47,7 @@ class Sampler(nn.Module):
                 f"logits must have shape [{metadata.num_rows}, {metadata.vocab_size}] "
                 f"(rows, vocab_size of the metadata), got {list(logits.shape)}"
             )
-        if metadata.max_num_logprobs is not None or metadata.min_tokens_mask is not None \
-                or metadata.output_token_ids is not None:
-            logits = logits.float()
-        # Otherwise the logits stay in the model's dtype (bf16 on GPU): argmax and the fused
-        # temperature sampler upcast as they read, which saves a float32 copy of the whole
-        # [rows, vocab] tensor per step (~230 MB of traffic at 256 rows of 151,936).
+        logits = logits.float()
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
         logits = apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
@@ -100,7 +95,7 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.all_random and not metadata.generators and metadata.top_k is None and metadata.top_p is None \
             and metadata.min_p is None:
         return temperature_sample(logits, metadata.temperature)
-    random = exponential_race(apply_filters(logits.float(), metadata).softmax(dim=-1), metadata.generators)
+    random = exponential_race(apply_filters(logits, metadata).softmax(dim=-1), metadata.generators)
     return random if metadata.all_random else torch.where(metadata.is_greedy, greedy, random)
 
 
@@ -162,7 +157,6 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 def temperature_sample(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """The common case (no filters, no seeds) in one pass: argmax(softmax(l / T) / q)
     equals argmax(l / T - log q), so no softmax is needed, and compiled it is one kernel."""
-    logits = logits.float()
     q = torch.empty_like(logits).exponential_().clamp_min(torch.finfo(logits.dtype).tiny)
     return chunked_argmax(logits / temperature[:, None] - q.log())
 
