@@ -8,7 +8,12 @@ per call are the ones it must move: K and V of every context token, block-table
 entries, the query read and the output written; achieved GB/s = bytes / time,
 compared with a device-to-device copy (bytes read + written).
 
-Usage: PYTHONPATH=. python bench/kernels.py [--quick] [--json PATH]
+With --gemm it benchmarks only the skinny (M <= 16) matmul against cuBLAS on
+Qwen3-0.6B and Qwen3-8B (TP=2 shard) projection shapes: CUDA-graph replays of
+many calls rotating over enough weight copies to exceed L2 several times, so
+each call streams its weight from HBM; TB/s = weight bytes / time.
+
+Usage: PYTHONPATH=. python bench/kernels.py [--quick] [--gemm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import statistics
 import torch
 import triton
 
-from nanoinfer.kernels.kv_write import write_kv
+from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
 from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
+from nanoinfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from nanoinfer.kernels.skinny_gemm import choose_config as choose_skinny_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
 ELEM = 2
@@ -164,11 +171,22 @@ def bench_prefill(pool: Pool, q_len: int, ctx: int, configs: list[PagedAttention
     return rows
 
 
-def bench_kv_write(pool: Pool, num_tokens: int) -> dict:
-    key, value = torch.randn(2, num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
+    """Qwen3's per-head norms + rotary + KV write in one kernel (the step's QKV in, queries out)."""
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(num_tokens, width, device="cuda", dtype=DTYPE)
+    positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
+    cos, sin = torch.randn(2, 4096, HEAD_DIM // 2, device="cuda")
+    norm_weight = torch.ones(HEAD_DIM, device="cuda", dtype=DTYPE)
     slots = torch.randperm(pool.num_blocks * BLOCK_SIZE, device="cuda")[:num_tokens]
-    ms = triton.testing.do_bench(lambda: write_kv(key, value, pool.k_cache, pool.v_cache, slots), warmup=25, rep=200, return_mode="median")
-    nbytes = 2 * 2 * key.numel() * ELEM + slots.numel() * 8
+
+    def run():
+        rotate_and_cache(qkv, positions, cos, sin, norm_weight, norm_weight, 1e-6, pool.k_cache, pool.v_cache, slots,
+                         NUM_HEADS)
+
+    ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    # qkv read, queries and K/V written, positions, slots and the cos/sin rows read.
+    nbytes = 2 * qkv.numel() * ELEM + num_tokens * (16 + 2 * HEAD_DIM * 4)
     return {"tokens": num_tokens, "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
 
 
@@ -228,15 +246,135 @@ def sweep_prefill(pool: Pool) -> list[dict]:
     return rows
 
 
+# ----- skinny GEMM (decode-sized linear layers): --gemm -----
+
+# (N, K) of each projection: Qwen3-0.6B, and Qwen3-8B's per-rank shard at TP=2.
+GEMM_SHAPES = {
+    "0.6B": {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)},
+    "8B-tp2": {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (12288, 4096), "down": (4096, 6144)},
+}
+GEMM_MS = (1, 2, 4, 8, 16)
+GEMM_LAYERS = {"0.6B": 28, "8B-tp2": 36}
+
+
+def gemm_weights(N: int, K: int, l2_bytes: int) -> list[torch.Tensor]:
+    """Enough bf16 copies of an [N, K] weight that one pass over them exceeds L2 several times,
+    so every call streams its weight from HBM (as successive layers of a decode step do)."""
+    per_copy = N * K * ELEM
+    copies = max(2, min(64, triton.cdiv(L2_MULTIPLE * l2_bytes, per_copy)))
+    return [torch.randn(N, K, device="cuda", dtype=DTYPE) / K**0.5 for _ in range(copies)]
+
+
+def gemm_seconds(fn, x: torch.Tensor, weights: list[torch.Tensor], min_calls: int = 64) -> float:
+    """Seconds per call of fn(x, w) from CUDA-graph replays rotating over `weights`."""
+    rounds = triton.cdiv(min_calls, len(weights))
+    return graph_time_per_call([lambda w=w: fn(x, w) for w in weights] * rounds)
+
+
+def bench_gemm(num_sms: int, l2_bytes: int, copy_bw: float) -> list[dict]:
+    rows = []
+    for model, shapes in GEMM_SHAPES.items():
+        for name, (N, K) in shapes.items():
+            weights = gemm_weights(N, K, l2_bytes)
+            nbytes = N * K * ELEM
+            for M in GEMM_MS:
+                x = torch.randn(M, K, device="cuda", dtype=DTYPE)
+                ref = torch.nn.functional.linear(x, weights[0]).float()
+                err = ((skinny_linear(x, weights[0]).float() - ref).norm() / ref.norm()).item()
+                t_cublas = gemm_seconds(torch.nn.functional.linear, x, weights)
+                t_skinny = gemm_seconds(skinny_linear, x, weights)
+                config = choose_skinny_config(M, N, K, num_sms, DTYPE)
+                rows.append({
+                    "model": model, "proj": name, "M": M, "N": N, "K": K, "mbytes": nbytes / 1e6,
+                    "cublas_us": t_cublas * 1e6, "skinny_us": t_skinny * 1e6,
+                    "cublas_tbps": nbytes / t_cublas / 1e12, "skinny_tbps": nbytes / t_skinny / 1e12,
+                    "predicted_us": nbytes / copy_bw * 2 * 1e6 + 2.0,  # bytes at the copy's read rate + ramp
+                    "rel_err": err, "config": dataclasses.asdict(config), "grid": config.grid(N),
+                })
+            del weights
+    print(f"\nskinny GEMM vs cuBLAS (bf16, CUDA graphs, weights not L2-resident); copy read rate {copy_bw / 2e12:.2f} TB/s")
+    print("  model   proj       M      N      K    MB   cuBLAS us  TB/s   skinny us  TB/s  pred us  speedup  grid      rel err")
+    for r in rows:
+        print(
+            f"  {r['model']:<7} {r['proj']:<8} {r['M']:>3} {r['N']:>6} {r['K']:>6} {r['mbytes']:>5.1f} {r['cublas_us']:>10.2f} {r['cublas_tbps']:>5.2f}"
+            f" {r['skinny_us']:>10.2f} {r['skinny_tbps']:>5.2f} {r['predicted_us']:>8.2f} {r['cublas_us'] / r['skinny_us']:>7.2f}x"
+            f"  {r['grid'][0]}x{r['grid'][1]:<5} {r['rel_err']:.1e}"
+        )
+    for model, layers in GEMM_LAYERS.items():
+        for M in GEMM_MS:
+            sel = [r for r in rows if r["model"] == model and r["M"] == M]
+            cublas = layers * sum(r["cublas_us"] for r in sel)
+            best = layers * sum(min(r["cublas_us"], r["skinny_us"]) for r in sel)
+            print(f"  {model} M={M:>2}: {layers} layers of GEMMs {cublas / 1e3:.3f} ms with cuBLAS, {best / 1e3:.3f} ms with the faster of the two")
+    return rows
+
+
+def sweep_gemm(num_sms: int, l2_bytes: int) -> list[dict]:
+    """Launch parameters around the heuristic at M=1 and M=16, to retune `choose_config`:
+    tile x split first (4 warps, stages as the heuristic), then warps x stages for the best."""
+    rows = []
+    for model, shapes in GEMM_SHAPES.items():
+        for name, (N, K) in shapes.items():
+            weights = gemm_weights(N, K, l2_bytes)
+            for M in (1, 16):
+                x = torch.randn(M, K, device="cuda", dtype=DTYPE)
+                base = choose_skinny_config(M, N, K, num_sms, DTYPE)
+
+                def timed(config: SkinnyConfig) -> float:
+                    try:
+                        return gemm_seconds(lambda x, w: skinny_linear(x, w, config=config), x, weights) * 1e6
+                    except Exception as exc:  # out of shared memory etc.: skip
+                        print(f"    {config}: {type(exc).__name__}")
+                        return float("inf")
+
+                results = {base: timed(base)}
+                for block_n in (16, 32, 64):
+                    for block_k in (64, 128, 256):
+                        for split in (1, 2, 4, 8, 16):
+                            if split > 1 and triton.cdiv(K, block_k) < 2 * split:
+                                continue
+                            config = dataclasses.replace(base, block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
+                            if config not in results:
+                                results[config] = timed(config)
+                best = min(results, key=results.get)
+                for num_warps in (2, 4, 8):
+                    for num_stages in (2, 3, 4, 5, 6):
+                        config = dataclasses.replace(best, num_warps=num_warps, num_stages=num_stages)
+                        if config not in results:
+                            results[config] = timed(config)
+                ranked = sorted(results, key=results.get)
+                row = {"model": model, "proj": name, "M": M, "N": N, "K": K, "heuristic": dataclasses.asdict(base),
+                       "heuristic_us": results[base],
+                       "ranked": [{**dataclasses.asdict(c), "us": results[c]} for c in ranked[:10]]}
+                rows.append(row)
+                top = ", ".join(f"n{c.block_n}/k{c.block_k}/s{c.split_k}/w{c.num_warps}/st{c.num_stages}={results[c]:.2f}" for c in ranked[:5])
+                print(f"  {model} {name} M={M}: heuristic n{base.block_n}/k{base.block_k}/s{base.split_k}/w{base.num_warps}/"
+                      f"st{base.num_stages}={results[base]:.2f} us; best: {top}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the config and split sweeps")
+    parser.add_argument("--gemm", action="store_true",
+                        help="only the skinny-GEMM section (cuBLAS vs skinny_linear at M <= 16; with a config sweep unless --quick)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
     results: dict = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__}
     copy_bw = copy_bandwidth()
     results["copy_gbps"] = copy_bw / 1e9
+    if args.gemm:
+        props = torch.cuda.get_device_properties(0)
+        print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {props.multi_processor_count}"
+              f"  L2 {props.L2_cache_size >> 20} MiB")
+        if not args.quick:
+            print("\nskinny GEMM config sweep (us per call):")
+            results["gemm_sweep"] = sweep_gemm(props.multi_processor_count, props.L2_cache_size)
+        results["gemm"] = bench_gemm(props.multi_processor_count, props.L2_cache_size, copy_bw)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     pool = Pool()
     print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB")
     if not args.quick:
@@ -248,8 +386,8 @@ def main() -> None:
         bench_prefill(pool, q, c, [default_config(pool, 1, c, q)])[0] for q, c in [(2048, 2048), (512, 2048), (8192, 8192)]
     ]
     results["prefill"] = prefill
-    kv_writes = [bench_kv_write(pool, n) for n in (256, 8192)]
-    results["kv_write"] = kv_writes
+    rope_runs = [bench_rotate_and_cache(pool, n) for n in (1, 256, 8192)]
+    results["rotate_and_cache"] = rope_runs
     decode = []
     for batch in (1, 4, 16, 64, 256):
         for ctx in (100, 500, 1000, 2000):
@@ -264,7 +402,7 @@ def main() -> None:
             f"  q {r['q_len']:>5} ctx {r['ctx']:>5} M{r['block_m']}/N{r['block_n']}: {r['us']:8.1f} us {r['tflops']:6.1f} TFLOP/s"
             f"  rel err {r['rel_err']:.1e}  (torch sdpa {r['sdpa_us']:.1f} us)"
         )
-    print("kv_write:", ", ".join(f"{r['tokens']} tokens {r['us']:.1f} us {r['gbps']:.0f} GB/s" for r in kv_writes))
+    print("rotate_and_cache:", ", ".join(f"{r['tokens']} tokens {r['us']:.1f} us {r['gbps']:.0f} GB/s" for r in rope_runs))
     print(f"\ndecode attention, default config, per call (CUDA graph); copy rate {copy_bw / 1e9:.0f} GB/s")
     print("  batch   ctx splits       us    MB read     GB/s  % copy")
     for r in decode:

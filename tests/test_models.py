@@ -226,7 +226,7 @@ def test_dummy_load_from_config_alone(tmp_path):
     bf16 = load_model(None, hf_config, "dummy", torch.bfloat16, torch.device("cpu"))
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     prefill, decode = prefill_and_decode(bf16, hf_config, *random_prompts(256))
-    assert prefill.dtype == torch.float32 and prefill.shape == (sum(PROMPT_LENS), 256)
+    assert prefill.dtype == torch.bfloat16 and prefill.shape == (sum(PROMPT_LENS), 256)  # the model's dtype
     assert torch.isfinite(prefill).all() and torch.isfinite(decode).all()
 
 

@@ -25,8 +25,8 @@ from nanoinfer.attention.torch_backend import TorchAttentionBackend
 RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 if RUN_HERE:
     from nanoinfer.attention import triton_backend
-    from nanoinfer.kernels import kv_write
     from nanoinfer.kernels import paged_attention as pa
+    from nanoinfer.kernels import rotate_and_cache as rc
 
 kernel_test = pytest.mark.skipif(not RUN_HERE, reason="on CPU these run in the TRITON_INTERPRET=1 child of test_cpu_interpreter_child")
 
@@ -147,49 +147,84 @@ def test_decode_matches_reference(dtype, num_splits):
     assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), len(seq_lens)) < REL_TOL[dtype]
 
 
+def make_qkv_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, *, qk_norm, seed=1):
+    """A fused QKV projection output (with extra columns, so rows are strided), positions,
+    and the rotary table and Qwen3 head norms of a small model."""
+    from nanoinfer.layers.layernorm import RMSNorm
+    from nanoinfer.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width + 5, generator=gen)[:, :width].to(DEVICE, dtype)
+    positions = torch.randint(0, 300, (num_tokens,), generator=gen).to(DEVICE)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0, "rope_type": "default"}).to(DEVICE)
+    norms = (None, None)
+    if qk_norm:
+        norms = tuple(RMSNorm(head_dim, 1e-6).to(DEVICE, dtype) for _ in range(2))
+        for norm in norms:
+            norm.weight.data = (1 + 0.5 * torch.randn(head_dim, generator=gen)).to(DEVICE, dtype)
+    return qkv, positions, rope, norms
+
+
 @kernel_test
-def test_backend_write_then_attend_matches_torch_backend():
-    """Full backend path: write this step's K/V (padding slot skipped), then attend."""
+def test_backend_rotate_cache_then_attend_matches_torch_backend():
+    """Full backend path: rotate and cache this step's K/V (padding slot skipped), then attend."""
     backend = triton_backend.TritonAttentionBackend()
     assert backend.name == "triton"
     q_lens, seq_lens = [1, 4, 3], [20, 4, 19]
-    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, torch.float16, extra_rows=1)
+    _, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, torch.float16, extra_rows=1)
     # This step's rows are the last q_len context positions of each sequence.
-    slots = []
+    slots, positions = [], []
     for i, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         for pos in range(seq_len - q_len, seq_len):
             slots.append(int(md.block_tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+            positions.append(pos)
     md.slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64, device=DEVICE)
-    key = torch.randn(len(slots) + 1, 2, 64).to(DEVICE, torch.float16)
-    value = torch.randn(len(slots) + 1, 2, 64).to(DEVICE, torch.float16)
+    qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(len(slots) + 1, 4, 2, 64, torch.float16, qk_norm=True)
+    positions = torch.tensor(positions + [0], device=DEVICE)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    TorchAttentionBackend().write_kv(key, value, ref_k, ref_v, md.slot_mapping)
-    backend.write_kv(key, value, k_cache, v_cache, md.slot_mapping)
-    assert torch.equal(k_cache.nan_to_num(7.0), ref_k.nan_to_num(7.0))
+    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, md.slot_mapping, 4)
+    query = backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md.slot_mapping, 4)
+    torch.testing.assert_close(query, ref_q, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(k_cache.nan_to_num(7.0), ref_k.nan_to_num(7.0), rtol=1e-3, atol=1e-3)
     assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
     out = backend.forward(query, k_cache, v_cache, md, 0.125)
     assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), sum(q_lens)) < REL_TOL[torch.float16]
 
 
 @pytest.mark.parametrize(
-    "key_dtype,cache_dtype",
+    "dtype,cache_dtype",
     [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
 )
+@pytest.mark.parametrize("qk_norm", [False, True])
 @kernel_test
-def test_write_kv_matches_reference_and_skips_padding(key_dtype, cache_dtype):
+def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm):
+    """Against the PyTorch path (norms, rotary, KV write as separate ops): the same rounding
+    steps, so within two ulps of the output dtype at the largest value (fused multiply-adds;
+    Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest, at each of
+    the norm's and the rotation's roundings). A wrong angle, sign or head is off by O(1)."""
+    num_heads, num_kv_heads, head_dim = 6, 3, 32
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache = torch.randn(2, 6, BLOCK_SIZE, 3, 32, generator=gen).to(DEVICE, cache_dtype)
-    # K and V as non-contiguous slices of one fused projection, like a qkv split.
-    kv = torch.randn(9, 2 * 3 * 32 + 5, generator=gen).to(DEVICE, key_dtype)
-    key, value = kv[:, :96].view(9, 3, 32), kv[:, 96:192].view(9, 3, 32)
+    k_cache, v_cache = torch.randn(2, 6, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
+    qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(9, num_heads, num_kv_heads, head_dim, dtype, qk_norm=qk_norm)
     slot_mapping = torch.tensor([0, 17, -1, 15, 16, 95, -1, 40, 63], dtype=torch.int64, device=DEVICE)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    TorchAttentionBackend().write_kv(key, value, ref_k, ref_v, slot_mapping)
-    kv_write.write_kv(key, value, k_cache, v_cache, slot_mapping)
-    # Triton's interpreter truncates fp32 -> bf16 (the GPU rounds to nearest): allow one bf16 ulp there.
-    rtol = 2**-7 if DEVICE == "cpu" and key_dtype != cache_dtype else 0.0
-    torch.testing.assert_close(k_cache, ref_k, rtol=rtol, atol=0.0)
-    torch.testing.assert_close(v_cache, ref_v, rtol=rtol, atol=0.0)
+    ref_k, ref_v, original_k = k_cache.clone(), v_cache.clone(), k_cache.clone()
+    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slot_mapping, num_heads)
+    query = triton_backend.TritonAttentionBackend().rotate_and_cache(
+        qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, num_heads)
+    ulp = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+    def assert_close(out, ref, dtype):
+        tol = 2 * ulp[dtype]
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+    assert_close(query, ref_q, dtype)
+    assert_close(k_cache, ref_k, cache_dtype)
+    torch.testing.assert_close(v_cache, ref_v, rtol=ulp[cache_dtype] if dtype != cache_dtype else 0.0, atol=0.0)
+    # Only the scheduled slots changed; the padding rows (-1) wrote nothing.
+    untouched = torch.ones(6 * BLOCK_SIZE, dtype=torch.bool)
+    untouched[[0, 17, 15, 16, 95, 40, 63]] = False
+    assert torch.equal(k_cache.flatten(0, 1)[untouched], original_k.flatten(0, 1)[untouched])
 
 
 @kernel_test
@@ -232,5 +267,12 @@ def test_bad_inputs_raise_clear_errors():
     md.block_tables = md.block_tables.long()
     with pytest.raises(TypeError, match="block_tables must be int32"):
         run_kernel(query, k_cache, v_cache, md, 0.1)
+    qkv = torch.zeros(2, 8 * 64, device=DEVICE)
+    cos = torch.zeros(16, 32, device=DEVICE)
+    positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
-        kv_write.write_kv(query[:, :2], query[:, :2], k_cache, v_cache, md.slot_mapping.int())
+        rc.rotate_and_cache(qkv, positions, cos, cos, None, None, 0.0, k_cache, v_cache, md.slot_mapping.int(), 4)
+    with pytest.raises(ValueError, match=r"qkv must be \[num_tokens"):
+        rc.rotate_and_cache(qkv[:, :-64], positions, cos, cos, None, None, 0.0, k_cache, v_cache, md.slot_mapping, 4)
+    with pytest.raises(ValueError, match="cos/sin tables"):
+        rc.rotate_and_cache(qkv, positions, cos[:, :16], cos[:, :16], None, None, 0.0, k_cache, v_cache, md.slot_mapping, 4)

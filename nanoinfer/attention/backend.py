@@ -4,7 +4,10 @@ A backend owns two operations over one layer's paged cache, whose K and V
 halves are `[num_blocks, block_size, num_kv_heads, head_dim]` views into the
 engine's single preallocated KV tensor:
 
-* `write_kv` stores this step's new K/V rows at their `slot_mapping` slots;
+* `rotate_and_cache` takes the fused QKV projection, applies the per-head
+  norms (Qwen3) and rotary embedding, stores this step's K/V rows at their
+  `slot_mapping` slots and returns the queries (one op, so a GPU backend can
+  do it in one kernel);
 * `forward` runs causal attention of the step's queries over each sequence's
   whole context, read through its block table.
 
@@ -18,19 +21,26 @@ from typing import Protocol
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.rotary import RotaryEmbedding
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def write_kv(
+    def rotate_and_cache(
         self,
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        positions: torch.Tensor,  # [num_tokens] int64
+        rope: RotaryEmbedding,
+        q_norm: RMSNorm | None,  # Qwen3's per-head norms (both or neither)
+        k_norm: RMSNorm | None,
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
-    ) -> None: ...
+        num_heads: int,
+    ) -> torch.Tensor:  # queries [num_tokens, num_heads, head_dim]
+        ...
 
     def forward(
         self,

@@ -8,12 +8,28 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.rotary import RotaryEmbedding
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def rotate_and_cache(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
+                         k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        if q_norm is not None:
+            q, k = rope.forward_with_qk_norm(positions, q, k, q_norm, k_norm)
+        else:
+            q, k = rope(positions, q, k)
+        self.write_kv(k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), k_cache, v_cache,
+                      slot_mapping)
+        return q.view(-1, num_heads, head_dim)
+
+    @staticmethod
+    def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+        """Store key/value row t at cache slot `slot_mapping[t]` (-1: skip)."""
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]

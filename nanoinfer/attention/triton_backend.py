@@ -1,5 +1,6 @@
-"""Attention backend on our Triton kernels: `write_kv` scatters new K/V rows
-into the paged cache, `forward` runs paged attention with a launch shape picked
+"""Attention backend on our Triton kernels: `rotate_and_cache` normalises and
+rotates the step's queries and keys and scatters new K/V rows into the paged
+cache in one kernel, `forward` runs paged attention with a launch shape picked
 from the metadata's host ints, so a decode step never syncs the device and
 can be captured in a CUDA graph."""
 
@@ -10,8 +11,10 @@ import functools
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.kernels.kv_write import write_kv
 from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
+from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.rotary import RotaryEmbedding
 
 
 @functools.cache
@@ -25,8 +28,13 @@ def _num_sms(device: torch.device) -> int:
 class TritonAttentionBackend:
     name = "triton"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv(key, value, k_cache, v_cache, slot_mapping)
+    def rotate_and_cache(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
+                         k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:
+        if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):
+            raise ValueError("q_norm and k_norm must both be given, with the same eps, or neither")
+        return rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache,
+                                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                                0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping, num_heads)
 
     def launch_config(self, query, k_cache, metadata: AttentionMetadata) -> PagedAttentionConfig:
         """The kernel's tiles and split count for this batch, from host ints only."""

@@ -1,5 +1,6 @@
-"""The attention layer models call. It owns no weights: it writes this step's
-K/V into its slice of the paged cache and runs the backend over it."""
+"""The attention layer models call. It owns no weights: from the fused QKV
+projection it has the backend normalise and rotate queries and keys and write
+this step's K/V into its slice of the paged cache, then attend over it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from torch import nn
 
 from nanoinfer.attention.backend import AttentionBackend
 from nanoinfer.attention.metadata import get_forward_context
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -19,15 +22,15 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, num_heads*head_dim], k/v: [T, num_kv_heads*head_dim] -> [T, num_heads*head_dim]."""
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rope: RotaryEmbedding,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], not yet rotated -> [T, num_heads * head_dim].
+        q_norm/k_norm: Qwen3's RMSNorm over each query and key head, applied before rotation."""
         if self.backend is None or self.k_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call ModelRunner.bind_kv_cache first")
         metadata = get_forward_context()
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        q = self.backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, self.k_cache, self.v_cache,
+                                          metadata.slot_mapping, self.num_heads)
         out = self.backend.forward(q, self.k_cache, self.v_cache, metadata, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 

@@ -16,18 +16,17 @@ from nanoinfer.attention.backend import get_attention_backend
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed.parallel_state import tp_broadcast_from_rank0, tp_rank
+from nanoinfer.host_copy import to_device_many
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
-from nanoinfer.sample.metadata import to_device
 from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, temperature_sample
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
-_NUMPY_DTYPES = {torch.long: np.int64, torch.int32: np.int32}
 
 
 class ModelRunner:
@@ -85,7 +84,9 @@ class ModelRunner:
         metadata = self._metadata_for_single_sequence(num_tokens)
         with torch.inference_mode(), set_forward_context(metadata):
             hidden = self.model(ids, positions)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+            logits = self.model.compute_logits(hidden[-min(num_tokens, self.config.max_num_seqs):])
+            if logits is not None:  # the sampler's float32 copy (penalties, filters, logprobs)
+                logits.float()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - cache_bytes
         self.kv_cache = None
@@ -196,28 +197,26 @@ class ModelRunner:
         slot_mapping += positions % self.block_size
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
+        pending_rows = np.array(pending, dtype=np.int64).reshape(-1, 2)
+        (slot_mapping_gpu, query_start_loc_gpu, seq_lens_gpu, block_tables_gpu, input_ids_gpu, positions_gpu,
+         logits_indices_gpu, pending_gpu) = to_device_many(
+            [slot_mapping, query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables,
+             input_ids, positions, logits_indices, pending_rows], self.device)
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping, torch.long),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(block_tables, torch.int32),
+            slot_mapping=slot_mapping_gpu,
+            query_start_loc=query_start_loc_gpu,
+            seq_lens=seq_lens_gpu,
+            block_tables=block_tables_gpu,
             max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
-        input_ids_gpu = self._to_device(input_ids, torch.long)
         if pending:
-            dst, src = (self._to_device(np.array(x, dtype=np.int64), torch.long) for x in zip(*pending))
-            input_ids_gpu[dst] = self.prev_sampled[src]
+            input_ids_gpu[pending_gpu[:, 0]] = self.prev_sampled[pending_gpu[:, 1]]
         sample_states = [states[i] for i in sample_rows]
         output_index = [int(seq_lens[i]) - s.prompt_len for i, s in zip(sample_rows, sample_states)]
-        return (input_ids_gpu, self._to_device(positions, torch.long), metadata,
-                self._to_device(logits_indices, torch.long), sample_states, output_index)
-
-    def _to_device(self, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Cast on the host (no extra device kernel), copy without waiting for the device."""
-        return to_device(torch.from_numpy(array.astype(_NUMPY_DTYPES[dtype], copy=False)), self.device)
+        return input_ids_gpu, positions_gpu, metadata, logits_indices_gpu, sample_states, output_index
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:

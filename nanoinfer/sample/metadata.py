@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoinfer.host_copy import to_device
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -117,14 +118,6 @@ class SamplingMetadata:
             frequency_penalties=used(frequency, 0.0),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
         )
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without waiting for the device: a plain copy from pageable
-    memory synchronises the stream, which would undo async scheduling."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _pad(rows: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The Triton kernels on CUDA over the full matrix: fp16/bf16, GQA 1/2/4/8,
 head_dim 64/128, many context lengths, batches up to 256, split-KV on and off,
+the fused norm + rotary + KV write at batch 1000,
 and a decode step captured in a CUDA graph and replayed at other lengths.
 
 Run on a GPU machine: `python -m pytest -m gpu tests/gpu`.
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 if torch.cuda.is_available():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_triton_kernels import REL_TOL, make_batch, reference, rel_err, run_kernel
+    from test_triton_kernels import REL_TOL, make_batch, make_qkv_inputs, reference, rel_err, run_kernel
 
     from nanoinfer.attention.torch_backend import TorchAttentionBackend
     from nanoinfer.attention.triton_backend import TritonAttentionBackend
@@ -83,49 +84,59 @@ def test_long_prefix_chunk():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_write_kv_large_batch_with_padding(dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotate_and_cache_large_batch_with_padding(dtype, qk_norm):
     k_cache, v_cache = torch.randn(2, 300, 16, 8, 128, device="cuda").to(dtype)
-    key, value = torch.randn(2, 1000, 8, 128, device="cuda").to(dtype)
+    qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(1000, 16, 8, 128, dtype, qk_norm=qk_norm)
     slot_mapping = torch.randperm(300 * 16, device="cuda")[:1000]
     slot_mapping[::7] = -1
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    TorchAttentionBackend().write_kv(key, value, ref_k, ref_v, slot_mapping)
-    TritonAttentionBackend().write_kv(key, value, k_cache, v_cache, slot_mapping)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slot_mapping, 16)
+    query = TritonAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, 16)
+    # The same rounding steps as the PyTorch path; fused multiply-adds may move the last bit.
+    ulp = 2**-10 if dtype == torch.float16 else 2**-7
+    torch.testing.assert_close(query, ref_q, rtol=ulp, atol=ulp * ref_q.abs().max().item())
+    torch.testing.assert_close(k_cache, ref_k, rtol=ulp, atol=ulp * ref_k.abs().max().item())
+    assert torch.equal(v_cache, ref_v)
 
 
 @pytest.mark.parametrize("batch,max_len", [(2, 2000), (64, 600)])  # split-KV on, off
 def test_decode_step_replays_in_cuda_graph(batch, max_len):
-    """Capture write_kv + forward once, then replay with every sequence one token
-    longer and fresh inputs: the graph must read lengths from device memory."""
+    """Capture rotate_and_cache + forward once, then replay with every sequence one token
+    longer and fresh inputs: the graph must read lengths and positions from device memory."""
     rng = random.Random(batch)
     seq_lens = [rng.randint(1, max_len - 40) for _ in range(batch)]
-    query, k_cache, v_cache, md = make_batch([1] * batch, [s + 30 for s in seq_lens], 16, 8, 128, torch.bfloat16)
+    _, k_cache, v_cache, md = make_batch([1] * batch, [s + 30 for s in seq_lens], 16, 8, 128, torch.bfloat16)
     md.seq_lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
     md.seq_lens_cpu, md.max_seq_len = seq_lens, max_len  # captured for the bucket's max length
     backend = TritonAttentionBackend()
-    key, value = torch.randn(2, batch, 8, 128, device="cuda", dtype=torch.bfloat16)
+    qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(batch, 16, 8, 128, torch.bfloat16, qk_norm=True)
+    positions = torch.tensor(seq_lens, device="cuda") - 1
 
     def slots_for(lengths):
         pos = torch.tensor(lengths, device="cuda") - 1
         return md.block_tables[torch.arange(batch, device="cuda"), pos // 16].long() * 16 + pos % 16
 
+    def step():
+        query = backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md.slot_mapping, 16)
+        return query, backend.forward(query, k_cache, v_cache, md, 128**-0.5)
+
     md.slot_mapping.copy_(slots_for(seq_lens))
     for _ in range(2):  # compile and warm up outside the capture
-        backend.write_kv(key, value, k_cache, v_cache, md.slot_mapping)
-        backend.forward(query, k_cache, v_cache, md, 128**-0.5)
+        step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        backend.write_kv(key, value, k_cache, v_cache, md.slot_mapping)
-        out = backend.forward(query, k_cache, v_cache, md, 128**-0.5)
-    for step in range(1, 4):
-        lengths = [s + step for s in seq_lens]
+        query, out = step()
+    for step_index in range(1, 4):
+        lengths = [s + step_index for s in seq_lens]
         md.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
         md.slot_mapping.copy_(slots_for(lengths))
-        query.normal_()
-        key.normal_()
-        value.normal_()
+        positions.copy_(torch.tensor(lengths, device="cuda") - 1)
+        qkv.normal_()
         graph.replay()
         md.seq_lens_cpu = lengths
+        ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache.clone(),
+                                                         v_cache.clone(), md.slot_mapping, 16)
+        torch.testing.assert_close(query, ref_q, rtol=2**-7, atol=2**-7 * ref_q.abs().max().item())
         assert rel_err(out, reference(query, k_cache, v_cache, md, 128**-0.5), batch) < REL_TOL[torch.bfloat16]

@@ -1,0 +1,152 @@
+"""Triton kernel for everything between the QKV projection and attention, in one launch:
+split the fused projection, RMS-normalise each query and key head (Qwen3), rotate
+queries and keys (RoPE, neox halves), return the queries and store this step's K/V
+rows at their `slot_mapping` slots in the paged cache.
+
+Done as separate ops this was five to six small kernels per layer (norms, rotary,
+KV write), which at decode batch sizes cost far more in launches and poorly fused
+index math than their few kilobytes of traffic. One program handles one head of
+one token (query heads first, then KV heads, as the projection lays them out); a
+KV-head program also copies that head's V row. A slot of -1 marks a padding row
+(a CUDA-graph batch padded to its bucket): its K/V are not stored, so the launch
+never needs the host to look at slot_mapping.
+
+Rounding follows the PyTorch path (`rms_norm_math`, `_rotate` in layers/): norm
+statistics in float32, normalised value rounded to the model dtype before the
+weight multiply, rotation in float32, result rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_and_cache_kernel(
+    qkv_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    query_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_qkv,
+    stride_query,
+    stride_rope,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    half = tl.arange(0, HEAD_DIM // 2)
+    src = qkv_ptr + token * stride_qkv + head * HEAD_DIM  # q heads, then k heads, then v heads
+    x1 = tl.load(src + half).to(tl.float32)
+    x2 = tl.load(src + HEAD_DIM // 2 + half).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
+        if head < NUM_HEADS:
+            weight_ptr = q_weight_ptr
+        else:
+            weight_ptr = k_weight_ptr
+        w1 = tl.load(weight_ptr + half).to(tl.float32)
+        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + position * stride_rope + half)
+    sin = tl.load(sin_ptr + position * stride_rope + half)
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    if head < NUM_HEADS:
+        dst = query_ptr + token * stride_query + head * HEAD_DIM
+        tl.store(dst + half, out1.to(dtype))
+        tl.store(dst + HEAD_DIM // 2 + half, out2.to(dtype))
+    else:
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:
+            kv_head = head - NUM_HEADS
+            offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + offset + half, out1.to(dtype).to(cache_dtype))
+            tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, out2.to(dtype).to(cache_dtype))
+            full = tl.arange(0, HEAD_DIM)
+            v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + full)
+            tl.store(v_cache_ptr + offset + full, v.to(cache_dtype))
+
+
+def rotate_and_cache(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim // 2] float32
+    sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,  # [head_dim], with k_norm_weight: Qwen3's per-head RMSNorm
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    num_heads: int,
+) -> torch.Tensor:
+    """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] views with equal strides")
+    num_tokens = qkv.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] = "
+                         f"[*, {(num_heads + 2 * num_kv_heads) * head_dim}] with unit last stride, got {tuple(qkv.shape)}")
+    if head_dim % 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got {tuple(positions.shape)} and {tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    if cos_cache.shape != sin_cache.shape or cos_cache.shape[1] != head_dim // 2 or cos_cache.stride(1) != 1:
+        raise ValueError(f"cos/sin tables must be [max_position, {head_dim // 2}], got {tuple(cos_cache.shape)}")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q and k norm weights or neither")
+    if k_cache.stride(3) != 1:
+        raise ValueError("the cache needs a contiguous last (head_dim) dimension")
+    query = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return query
+    has_norm = q_norm_weight is not None
+    _rotate_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv,
+        positions,
+        cos_cache,
+        sin_cache,
+        q_norm_weight if has_norm else cos_cache,  # unread without the norm
+        k_norm_weight if has_norm else cos_cache,
+        query,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        query.stride(0),
+        cos_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        HAS_NORM=has_norm,
+        num_warps=1 if head_dim <= 128 else 2,
+    )
+    return query
