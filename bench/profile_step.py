@@ -1,5 +1,5 @@
 """Where does a step's time go? Runs the engine to steady decode at a given
-batch and context (or stops at the first prefill steps with --prefill), then
+batch and context (or, with --prefill, to a warm single-request prefill), then
 profiles steps: host functions with cProfile, device kernels with
 torch.profiler, wall time per step, and how much of it the GPU was busy (the
 rest is the idle gap between kernels that host work or waiting leaves).
@@ -79,13 +79,23 @@ def main() -> None:
     engine = LLM(**engine_kwargs(args)).engine
     max_tokens = 10_000 if args.max_model_len is None else args.max_model_len - args.context - 1
     params = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), [(i * 7 + j) % 10000 for j in range(args.context)], params)
     if args.prefill:
-        for k in range(4):
-            print(f"prefill step {k}: {timed_steps(engine, 1):.1f} ms")
+        # A warm prefill, as the latency benchmark's TTFT sees it: one earlier request runs to the
+        # end first (compilation, allocator growth), then a new one's first step is profiled.
+        prompt = [(7 * j) % 10000 for j in range(args.context)]
+        engine.add_request("warm-up", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        for k in range(3):
+            engine.add_request(f"prefill{k}", [(t + k + 1) % 10000 for t in prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+            print(f"warm prefill step {k}: {timed_steps(engine, 1):.1f} ms")
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.add_request("profiled", [(t + 99) % 10000 for t in prompt], SamplingParams(max_tokens=1, ignore_eos=True))
         profile(engine, 1, args.trace)
         return
+    for i in range(args.batch):
+        engine.add_request(str(i), [(i * 7 + j) % 10000 for j in range(args.context)], params)
     while len(engine.core.scheduler.waiting) or any(r.num_output_tokens == 0 for r in engine.core.scheduler.running):
         engine.step()
     timed_steps(engine, 5)  # settle

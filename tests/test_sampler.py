@@ -14,7 +14,6 @@ from nanoinfer.sample.sampler import (
     apply_penalties,
     apply_top_k,
     apply_top_k_top_p,
-    chunked_argmax,
 )
 from nanoinfer.sampling_params import SamplingParams
 
@@ -161,19 +160,6 @@ def test_distribution_matches_direct_computation(device, p):
     assert set(counts.nonzero().flatten().tolist()) == set(support)
     chi2 = sum((counts[i].item() - draws * q) ** 2 / (draws * q) for i, q in expected.items())
     assert chi2 < 25.0, (chi2, counts, expected)  # p ~ 3e-4 for the 4-5 degrees of freedom here
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", [(1, 151_936), (3, 1000), (5, 7), (2, 64)])
-def test_chunked_argmax_is_argmax(device, shape):
-    """Same index as argmax, first index on ties, whatever the vocabulary size (padded slices)."""
-    torch.manual_seed(0)
-    x = torch.randn(shape, device=device)
-    assert torch.equal(chunked_argmax(x), x.argmax(dim=-1))
-    x = torch.randint(0, 3, shape, device=device).float()  # many ties for the maximum
-    assert torch.equal(chunked_argmax(x), x.argmax(dim=-1))
-    x[:, -1] = 10.0  # the maximum in the last (padded) slice
-    assert torch.equal(chunked_argmax(x), torch.full((shape[0],), shape[1] - 1, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)

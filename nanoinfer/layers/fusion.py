@@ -1,5 +1,5 @@
 """torch.compile for the small elementwise pieces of a step (add + RMSNorm,
-rotary, SiLU-and-mul, temperature sampling): on a GPU each becomes one fused
+rotary on the PyTorch attention path, SiLU-and-mul): on a GPU each becomes one fused
 kernel instead of five to ten small ones, which at decode batch sizes cost
 more in fixed per-kernel time than in bytes. The model runner turns fusion on
 for CUDA unless `enforce_eager`; CPU runs stay eager (compiling would cost

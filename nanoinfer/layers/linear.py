@@ -6,15 +6,19 @@ out of a full checkpoint tensor, so loading never places the whole model on
 one rank. Column-parallel layers split the output features (no communication
 in forward); the row-parallel layer splits the input features and sums the
 partial outputs over ranks.
+
+Every forward's matmul goes through `nanoinfer.kernels.skinny_gemm.linear`:
+`F.linear`, except for decode-sized inputs on a GPU where the start-up tuning
+found the skinny Triton kernel faster.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
+from nanoinfer.kernels.skinny_gemm import linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -75,7 +79,7 @@ class ColumnParallelLinear(LinearBase):
         copy_weight(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -132,4 +136,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
-        return tp_all_reduce(F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        return tp_all_reduce(linear(x, self.weight, self.bias if self.tp_rank == 0 else None))

@@ -17,13 +17,14 @@ from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed.parallel_state import tp_broadcast_from_rank0, tp_rank
 from nanoinfer.host_copy import to_device_many
+from nanoinfer.kernels.skinny_gemm import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
-from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata, temperature_sample
+from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
@@ -45,6 +46,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(backend)
         torch.manual_seed(config.seed)
         set_fusion(device.type == "cuda" and not config.enforce_eager)
+        set_skinny_gemm(device.type == "cuda" and not config.enforce_eager)
         load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
         self.model = load_model(model_path, hf_config, load_format, dtype, device)
         self.sampler = Sampler()
@@ -137,16 +139,18 @@ class ModelRunner:
     def _compile_eager_variants(self) -> None:
         """Compile now what the first requests would otherwise pay for mid-run: the
         prefill kernel's tile variants (one per power-of-two query length up to its
-        widest tile) and the fused sampler at batch 1 and 2 (torch.compile specialises
-        size 1). Writes only into KV blocks that hold no request yet."""
+        widest tile) and the sampling kernel (one compile serves every batch size).
+        Writes only into KV blocks that hold no request yet."""
+        from nanoinfer.kernels.sampling import sample_from_logits  # CUDA only: triton
+
         for num_tokens in (2, 4, 8, 16, 32, 64, 128):
             metadata = self._metadata_for_single_sequence(num_tokens)
             with set_forward_context(metadata):
                 self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                            torch.arange(num_tokens, device=self.device))
-        for batch in (1, 2):
-            temperature_sample(torch.zeros(batch, self.vocab_size, device=self.device),
-                               torch.ones(batch, device=self.device))
+        for dtype in {self.dtype, torch.float32}:  # the model's logits, or float32 ones
+            sample_from_logits(torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device),
+                               torch.ones(1, device=self.device), torch.zeros(1, device=self.device))
         torch.cuda.synchronize()
 
     # ----- one step -----

@@ -1,0 +1,434 @@
+"""Skinny matmul for decode: `y = x @ W^T + b` with few rows (M <= 16).
+
+At decode batch sizes a linear layer is a matrix-vector product: the whole
+weight is read once to produce a handful of output rows, so its time is the
+weight's bytes over the bandwidth the kernel reaches. cuBLAS's M=1 kernels
+reach ~1.3 TB/s on an H200 (of ~4.3-4.8) on the 4-12 MB matrices of a small
+model, mostly because they launch too few CTAs, or split K and add a second
+reduction kernel.
+
+Design:
+
+* One program owns BLOCK_N output columns (weight rows) for all M rows and
+  walks K in BLOCK_K steps. The weight tile [BLOCK_N, BLOCK_K] is loaded
+  along the weight's contiguous K axis (512 bytes per row per step for 16-bit
+  types: fully coalesced, 16-byte vector loads).
+* The product is a `tl.dot` of the x tile, padded to 16 rows (the smallest
+  tensor-core tile; rows >= M are masked, so they cost no memory traffic), by
+  the transposed weight tile, accumulated in fp32. At M=1 this wastes 15/16 of
+  the tensor-core work, but the matmul is memory bound by two orders of
+  magnitude, and `tl.dot` makes Triton stage the loads through shared memory
+  with cp.async software pipelining (`num_stages` tiles in flight per
+  program), which is what keeps enough bytes in flight. A broadcast-multiply
+  and sum would need an [M, BLOCK_N, BLOCK_K] register tile (spills at
+  M=16) and gets no such pipelining for free.
+* The grid must fill the SMs even when N is small (N=1024 at BLOCK_N=16 is 64
+  programs for 132 SMs), so K may be split into SPLIT_K ranges. Each program
+  stores its fp32 partial into a workspace and bumps a per-column-tile
+  arrival counter; the last program to arrive sums the SPLIT_K partials in
+  split order (deterministic regardless of arrival order), adds the bias,
+  writes the output and resets the counter to 0 for the next launch. So a
+  split launch is still one kernel: no zero-fill, no second reduction kernel,
+  no fp32-to-bf16 cast kernel. The counters are one persistent int32 buffer
+  per device, allocated on first use (outside CUDA-graph capture: the eager
+  warm-up before capture does it) and left all-zero by every launch. Launches
+  that share the buffer must be stream-ordered (the engine runs one stream).
+* Launch parameters come from `choose_config(M, N, K, num_sms, dtype)`, a
+  pure function of host ints (no autotuning: it would re-tune inside CUDA
+  graph capture). `bench/kernels.py --gemm` sweeps the alternatives.
+
+Dispatch: `linear(x, weight, bias)` is what the model's linear layers call.
+It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
+without enforce_eager), x is 2-D on CUDA with 1 <= M <= 16, and the choice
+table says the kernel beat cuBLAS for this (M bucket, N, K, dtype); the table
+is filled once at start-up by `tune_skinny_gemm`, which times both inside
+CUDA graphs. Everything else (CPU, prefill, large batches) is `F.linear`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+logger = logging.getLogger("nanoinfer")
+
+MAX_M = 16
+# Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits.
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# ----- launch heuristic (retune from `bench/kernels.py --gemm` on the GPU) -----
+
+_BLOCK_M = 16  # tl.dot's smallest tile; x rows >= M are masked
+_ROW_BYTES_PER_STEP = 512  # weight bytes per row per K step: BLOCK_K = 256 for 16-bit types
+_MAX_SPLIT_K = 16
+_MAX_STAGES = 4
+_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """How one launch tiles the work; `choose_config` picks it from host ints."""
+
+    block_n: int  # output columns (weight rows) per program
+    block_k: int  # K per step
+    split_k: int  # K ranges per column tile (> 1: last-arriver reduction)
+    num_warps: int
+    num_stages: int
+    block_m: int = _BLOCK_M
+
+    def k_per_split(self, K: int) -> int:
+        """K covered by one split: a whole number of BLOCK_K steps."""
+        return triton.cdiv(triton.cdiv(K, self.block_k), self.split_k) * self.block_k
+
+    def grid(self, N: int) -> tuple[int, int]:
+        return triton.cdiv(N, self.block_n), self.split_k
+
+
+def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
+    """Launch shape for an [M, K] x [N, K]^T product.
+
+    * BLOCK_K: 512 bytes of each weight row per step (clamped to K).
+    * BLOCK_N = 16 for M <= 8, else 32: the x tile is re-read from L2 by every
+      program, M rows against BLOCK_N weight rows per step, so keep it at most
+      half the weight traffic. Small tiles also mean many programs.
+    * SPLIT_K: the smallest power of two giving at least one program per SM,
+      while every split keeps at least one K step (no empty split).
+    * num_stages: up to 4 tiles in flight per program, fewer when a split has
+      fewer steps (less shared memory, more programs resident per SM).
+    """
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"skinny GEMM is for 1 <= M <= {MAX_M} rows, got M={M}")
+    if N < 1 or K < 1:
+        raise ValueError(f"N and K must be positive, got N={N}, K={K}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block_k = max(16, min(_ROW_BYTES_PER_STEP // itemsize, triton.next_power_of_2(K)))
+    block_n = min(16 if M <= 8 else 32, max(16, triton.next_power_of_2(N)))
+    tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+    split = 1
+    while tiles * split < num_sms and split < _MAX_SPLIT_K:
+        candidate = 2 * split
+        steps = triton.cdiv(k_steps, candidate)
+        if (candidate - 1) * steps >= k_steps:  # the last split would be empty
+            break
+        split = candidate
+    steps_per_split = triton.cdiv(k_steps, split)
+    return SkinnyConfig(
+        block_n=block_n,
+        block_k=block_k,
+        split_k=split,
+        num_warps=_NUM_WARPS,
+        num_stages=max(2, min(_MAX_STAGES, steps_per_split + 1)),
+    )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter has no SMs to fill
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# ----- kernel -----
+
+
+@triton.jit
+def _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    partial_ptr,  # [SPLIT_K, M, N] fp32 (unused when SPLIT_K == 1)
+    counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, all zero between launches
+    M,
+    N,
+    K,
+    K_PER_SPLIT,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(K, k_start + K_PER_SPLIT)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < K - k  # split ranges are whole steps: only the last step of K is partial
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        # "ieee" keeps fp32 inputs exact (no TF32); it is ignored for 16-bit inputs.
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    if SPLIT_K == 1:
+        _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+    else:
+        mask_mn = mask_m[:, None] & mask_n[None, :]
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask_mn)
+        # Every thread's partial is stored before the (one-thread, acq_rel, GPU-scope) arrival.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1)
+        if arrived == SPLIT_K - 1:
+            # Last to arrive: sum all splits in split order (bitwise the same whoever is last).
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            split_ids = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + pid_k  # (a block mask: the CPU interpreter
+            for s in tl.static_range(SPLIT_K):                                # mis-types block & scalar masks)
+                mine = split_ids == s
+                other = tl.load(partial_ptr + s * M * N + tile, mask=mask_mn & (split_ids != s), other=0.0,
+                                cache_modifier=".cg")
+                total += tl.where(mine, acc, other)
+            tl.store(counter_ptr + pid_n, 0)
+            _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_MIN_COUNTERS = 4096  # split launches have fewer column tiles than SMs (unless a config says otherwise)
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's persistent arrival counters (all zero between launches)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny GEMM split-K counters must be allocated before CUDA-graph capture "
+                               "(run the same shapes eagerly first)")
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)  # captured graphs may still point at it: never free
+        buf = torch.zeros(max(_MIN_COUNTERS, needed), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    M, K = x.shape
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"skinny_linear takes 1 <= M <= {MAX_M} rows, got M={M}")
+    if weight.shape[1] != K:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}: need [N, {K}]")
+    if weight.shape[0] < 1 or K < 1:
+        raise ValueError(f"empty matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {x.dtype} not supported; use one of {_SUPPORTED_DTYPES}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    for name, t in (("x", x), ("weight", weight)):
+        if sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) >= 2**31:
+            raise ValueError(f"{name} spans 2**31 elements or more (the kernel uses int32 offsets)")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+        if bias.device != x.device:
+            raise ValueError(f"bias is on {bias.device}, x on {x.device}")
+
+
+def skinny_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation."""
+    _check_inputs(x, weight, bias)
+    M, K = x.shape
+    N = weight.shape[0]
+    if config is None:
+        config = choose_config(M, N, K, _num_sms(x.device), x.dtype)
+    elif config.block_m < M or config.split_k < 1:
+        raise ValueError(f"config {config} cannot cover M={M}")
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    grid = config.grid(N)
+    if config.split_k > 1:
+        partial = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, grid[0])
+    else:
+        partial = counters = out  # unused
+    _skinny_gemm_kernel[grid](
+        x, weight, bias if bias is not None else out, out, partial, counters,
+        M, N, K, config.k_per_split(K),
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        HAS_BIAS=bias is not None,
+        SPLIT_K=config.split_k,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+# ----- dispatch -----
+
+_enabled = False
+# (M bucket, N, K, dtype) -> use the skinny kernel. Filled by `tune_skinny_gemm`.
+_choices: dict[tuple[int, int, int, torch.dtype], bool] = {}
+
+
+def set_skinny_gemm(enabled: bool) -> None:
+    """The model runner turns this on for CUDA without enforce_eager (like `set_fusion`)."""
+    global _enabled
+    _enabled = enabled
+
+
+def m_bucket(M: int) -> int:
+    """Row counts share a choice per power of two (1, 2, 4, 8, 16)."""
+    return triton.next_power_of_2(M)
+
+
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Where the kernel may run (tests widen this to the CPU interpreter)."""
+    return x.is_cuda
+
+
+def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear(x, weight, ...)` would run the skinny kernel."""
+    if not _enabled or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M or not _kernel_device(x):
+        return False
+    return _choices.get((m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype), False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or the skinny kernel where the start-up tuning found it faster."""
+    if uses_skinny(x, weight):
+        return skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+# ----- start-up tuning -----
+
+
+def _graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) -> float:
+    """Median time per call over replays of one CUDA graph holding all `calls` (eager warm-up
+    first, which also compiles and allocates what capture may not)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del graph
+    return statistics.median(times) / len(calls)
+
+
+def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """(N, K, dtype) -> [(weight, bias the layer passes)] of every linear layer routed through `linear`."""
+    from nanoinfer.layers.linear import LinearBase, RowParallelLinear
+
+    groups: dict = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            weight = module.weight
+            bias = module.bias
+            if isinstance(module, RowParallelLinear) and module.tp_rank != 0:
+                bias = None
+            groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append((weight, bias))
+    return groups
+
+
+# ||skinny - cuBLAS|| / ||cuBLAS|| a correct kernel stays well inside (both accumulate in float32).
+_TUNE_REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@torch.inference_mode()
+def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_calls: int = 64) -> dict:
+    """Time `F.linear` against `skinny_linear` once per (M bucket <= 16, N, K, dtype) of the
+    model's linear layers and record the winner for `linear`.
+
+    Each timing replays a CUDA graph of >= `min_calls` calls that rotate over every layer's own
+    weight of that shape (28 distinct matrices for Qwen3-0.6B), so the weights stream from HBM
+    as in a decode step rather than sitting in L2; graphs also hide launch overhead. Both sides
+    run on the same random x. Set NANOINFER_SKINNY_GEMM=0 to skip (everything stays cuBLAS).
+    Returns {(M, N, K, dtype): (cublas_us, skinny_us)}."""
+    if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0":
+        return {}
+    groups = linear_weights(model)
+    if not groups:
+        return {}
+    device = next(iter(groups.values()))[0][0].device
+    if not _kernel_device(next(iter(groups.values()))[0][0]):
+        return {}
+    ms = sorted({m_bucket(b) for b in buckets if 1 <= b <= MAX_M})
+    start = time.perf_counter()
+    results = {}
+    for (N, K, dtype), layers in groups.items():
+        if dtype not in _SUPPORTED_DTYPES:
+            continue
+        rounds = math.ceil(min_calls / len(layers))
+        for M in ms:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            w, b = layers[0]
+            expected = F.linear(x, w, b).float()
+            error = ((skinny_linear(x, w, b).float() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+            if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins
+                logger.error("skinny GEMM %dx%dx%d %s: relative error %.2g vs cuBLAS; keeping cuBLAS", M, N, K,
+                             dtype, error)
+                _choices[(M, N, K, dtype)] = False
+                continue
+            cublas = [functools.partial(F.linear, x, w, b) for w, b in layers] * rounds
+            skinny = [functools.partial(skinny_linear, x, w, b) for w, b in layers] * rounds
+            t_cublas, t_skinny = _graph_seconds_per_call(cublas), _graph_seconds_per_call(skinny)
+            _choices[(M, N, K, dtype)] = t_skinny < t_cublas
+            results[(M, N, K, dtype)] = (t_cublas * 1e6, t_skinny * 1e6)
+    logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/skinny us, * = skinny): %s", time.perf_counter() - start,
+                ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if b < a else ''}" for (m, n, k, _), (a, b) in results.items()))
+    return results

@@ -1,0 +1,331 @@
+"""The skinny (M <= 16) Triton matmul against a float reference, its launch
+heuristic, and the `linear` dispatcher the model's linear layers call.
+
+Kernel launches run in Triton's interpreter on CPU: as in
+test_triton_kernels.py, TRITON_INTERPRET=1 must be set before `triton` is
+first imported, so on CPU this file re-runs itself in a child pytest with the
+variable set. The heuristic and dispatcher tests that launch nothing also run
+in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoinfer.kernels import skinny_gemm as sg
+from nanoinfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+kernel_test = pytest.mark.skipif(not RUN_HERE, reason="on CPU these run in the TRITON_INTERPRET=1 child of test_cpu_interpreter_child")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# ||out - ref|| / ||ref|| against the fp32 product of the same (rounded) inputs. The kernel
+# accumulates in fp32, so the error is the output's final rounding: fp32 ~1e-7, fp16 ~2e-4,
+# bf16 ~3e-3 (the interpreter truncates fp32 -> bf16; the GPU rounds to nearest). Bounds
+# leave a few times headroom; a wrong tile, mask or split is off by O(1).
+REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+QWEN3_06B = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
+QWEN3_8B_TP2 = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (12288, 4096), "down": (4096, 6144)}
+
+
+@pytest.mark.skipif(RUN_HERE, reason="kernels run in this process")
+def test_cpu_interpreter_child():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
+    assert " passed" in proc.stdout, proc.stdout[-2000:]
+
+
+def rel_err(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    ref = x.float() @ weight.float().T
+    if bias is not None:
+        ref = ref + bias.float()
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def make(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, w, b
+
+
+def split_config(split_k: int, block_n: int = 16, block_k: int = 64) -> sg.SkinnyConfig:
+    return sg.SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4, num_stages=2)
+
+
+# ----- the kernel (interpreter child on CPU) -----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 72, 200), (3, 72, 200), (8, 64, 256), (16, 72, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+@kernel_test
+def test_matches_reference_default_config(M, N, K, dtype, bias):
+    """N=72, K=200 are no multiples of any block; 64 x 256 is the power-of-two case."""
+    x, w, b = make(M, N, K, dtype, bias)
+    out = sg.skinny_linear(x, w, b)
+    assert out.shape == (M, N) and out.dtype == dtype and out.device == x.device
+    assert rel_err(out, x, w, b) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "config",
+    [split_config(2), split_config(3, block_n=32), split_config(4, block_k=32), split_config(8, block_k=16)],
+    ids=lambda c: f"n{c.block_n}k{c.block_k}s{c.split_k}",
+)
+@kernel_test
+def test_split_k_matches_reference_and_leaves_counters_zero(config, dtype):
+    """Split-K: the last program of each column tile sums the partials. Uneven splits (K=200
+    over 3 or 8 ranges of whole steps, some shorter) and a ragged last column tile (N=72).
+    The arrival counters are back at zero afterwards, so a second launch (or a CUDA-graph
+    replay) gets the same answer."""
+    x, w, b = make(5, 72, 200, dtype, bias=True)
+    first = sg.skinny_linear(x, w, b, config=config)
+    assert rel_err(first, x, w, b) < REL_TOL[dtype]
+    assert int(sg._COUNTERS[x.device].abs().sum()) == 0
+    second = sg.skinny_linear(x, w, b, config=config)
+    assert torch.equal(first, second)  # the split order of the sum is fixed
+    no_split = sg.skinny_linear(x, w, b, config=split_config(1, block_n=config.block_n, block_k=config.block_k))
+    assert rel_err(no_split, x, w, b) < REL_TOL[dtype]
+
+
+@kernel_test
+def test_non_contiguous_inputs():
+    """x as a transposed view and as a column slice, weight as a slice of a wider matrix
+    (strides are kernel arguments, so views need no copy)."""
+    gen = torch.Generator().manual_seed(3)
+    M, N, K = 4, 40, 96
+    x_t = torch.randn(K, M, generator=gen).to(DEVICE).t()  # strides (1, M)
+    x_slice = torch.randn(M, 2 * K, generator=gen).to(DEVICE)[:, ::2]  # strides (2K, 2)
+    w_slice = torch.randn(N, K + 8, generator=gen).to(DEVICE)[:, 4 : K + 4]  # row stride K + 8
+    for x in (x_t, x_slice):
+        assert not x.is_contiguous()
+        for w in (w_slice, w_slice.contiguous()):
+            for config in (None, split_config(2, block_k=32)):
+                out = sg.skinny_linear(x, w, config=config)
+                assert rel_err(out, x, w, None) < REL_TOL[torch.float32]
+
+
+@kernel_test
+def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
+    """Forced on (the CPU interpreter stands in for the GPU): the layers' forward goes
+    through the kernel for a chosen shape and bucket, and matches F.linear."""
+    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(sg, "_enabled", True)
+    calls = []
+    real = sg.skinny_linear
+    monkeypatch.setattr(sg, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    torch.manual_seed(0)
+    col = MergedColumnParallelLinear(64, [48, 48], bias=True).to(DEVICE)
+    row = RowParallelLinear(96, 64, bias=True).to(DEVICE)
+    for layer in (col, row):
+        layer.weight.data.normal_()
+        layer.bias.data.normal_()
+    monkeypatch.setitem(sg._choices, (4, 96, 64, torch.float32), True)  # M bucket 4 covers M = 3, 4
+    monkeypatch.setitem(sg._choices, (4, 64, 96, torch.float32), True)
+    x = torch.randn(3, 64, device=DEVICE)
+    hidden = col(x)
+    out = row(hidden)
+    assert calls == [(3, 64), (3, 96)]
+    torch.testing.assert_close(hidden, F.linear(x, col.weight, col.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, F.linear(hidden, row.weight, row.bias), rtol=1e-5, atol=1e-5)
+
+
+# ----- input validation (raises before any launch: runs in the parent too) -----
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,b_shape,dtypes,match",
+    [
+        ((0, 8), (4, 8), None, None, "1 <= M <= 16"),
+        ((17, 8), (4, 8), None, None, "1 <= M <= 16"),
+        ((2, 3, 8), (4, 8), None, None, "x must be 2-D"),
+        ((2, 8), (4, 8, 1), None, None, "weight must be 2-D"),
+        ((2, 8), (4, 9), None, None, "does not match x"),
+        ((2, 8), (4, 8), (5,), None, "bias must have shape"),
+        ((2, 8), (4, 8), None, (torch.float32, torch.float16, None), "weight dtype"),
+        ((2, 8), (4, 8), (4,), (torch.float16, torch.float16, torch.float32), "bias dtype"),
+        ((2, 8), (4, 8), None, (torch.float64, torch.float64, None), "not supported"),
+        ((2, 8), (0, 8), None, None, "empty matmul"),
+    ],
+)
+def test_invalid_inputs_raise(x_shape, w_shape, b_shape, dtypes, match):
+    x_dtype, w_dtype, b_dtype = dtypes or (torch.float32,) * 3
+    x, w = torch.zeros(x_shape, dtype=x_dtype), torch.zeros(w_shape, dtype=w_dtype)
+    b = torch.zeros(b_shape, dtype=b_dtype) if b_shape else None
+    with pytest.raises(ValueError, match=match):
+        sg.skinny_linear(x, w, b)
+
+
+def test_config_that_cannot_cover_m_raises():
+    with pytest.raises(ValueError, match="cannot cover"):
+        sg.skinny_linear(torch.zeros(16, 8), torch.zeros(4, 8), config=sg.SkinnyConfig(16, 16, 1, 4, 2, block_m=8))
+
+
+# ----- the launch heuristic (pure function of host ints) -----
+
+
+def test_choose_config_fills_132_sms_on_qwen3_shapes():
+    """At M=1 every Qwen3-0.6B and Qwen3-8B TP=2 projection gets >= one program per SM:
+    N=1024 (64 column tiles of 16) by splitting K, larger N by its tiles alone."""
+    expected_06b = {"qkv": (256, 1), "o_proj": (64, 4), "gate_up": (384, 1), "down": (64, 4)}
+    for name, (N, K) in QWEN3_06B.items():
+        config = sg.choose_config(1, N, K, 132)
+        assert config.grid(N) == expected_06b[name], (name, config)
+        assert (config.block_n, config.block_k) == (16, 256)
+    for N, K in QWEN3_8B_TP2.values():
+        config = sg.choose_config(1, N, K, 132)
+        assert config.grid(N)[0] * config.split_k >= 132 and config.split_k == 1
+    for K in (1024, 2048, 3072, 4096):  # N=1024 at any K: split until the SMs are covered
+        tiles, split = sg.choose_config(1, 1024, K, 132).grid(1024)
+        assert tiles * split >= 132
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_choose_config_tiles_cover_k_and_n(M, dtype):
+    """For any shape: K splits are whole BLOCK_K steps that cover K with no empty split; the
+    column tiles cover N; block sizes are powers of two >= 16 (tl.dot); split is a power of
+    two <= 16; tiles fill the SMs whenever K is long enough to split."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for N in (1, 16, 72, 1000, 1024, 4096, 151936):
+        for K in (1, 16, 200, 1024, 3072, 6144):
+            for num_sms in (1, 8, 132):
+                c = sg.choose_config(M, N, K, num_sms, dtype)
+                for block in (c.block_m, c.block_n, c.block_k):
+                    assert block >= 16 and block & (block - 1) == 0
+                assert c.block_m >= M and c.block_k * itemsize <= 512
+                assert c.split_k in (1, 2, 4, 8, 16)
+                per_split = c.k_per_split(K)
+                assert per_split % c.block_k == 0
+                assert per_split * c.split_k >= K > (c.split_k - 1) * per_split  # covers K, no empty split
+                tiles, split = c.grid(N)
+                assert (tiles - 1) * c.block_n < N <= tiles * c.block_n
+                k_steps = -(-K // c.block_k)
+                if tiles * split < num_sms:  # short of the SMs only when K has no step left to split
+                    assert split == 16 or -(-k_steps // (2 * split)) * (2 * split - 1) >= k_steps
+                assert 2 <= c.num_stages <= 4 and c.num_warps in (2, 4, 8)
+
+
+def test_choose_config_rejects_bad_m():
+    for M in (0, 17):
+        with pytest.raises(ValueError, match="1 <= M <= 16"):
+            sg.choose_config(M, 1024, 1024, 132)
+
+
+# ----- dispatch (no launch: runs in the parent) -----
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """Dispatcher on, every tested shape chosen, and skinny_linear replaced by a recorder."""
+    calls = []
+    monkeypatch.setattr(sg, "_enabled", True)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b=None: calls.append(tuple(x.shape)) or F.linear(x, w, b))
+    for bucket in (1, 2, 4, 8, 16, 32):
+        monkeypatch.setitem(sg._choices, (bucket, 24, 32, torch.float32), True)
+    return calls
+
+
+def test_dispatcher_uses_f_linear_on_cpu(chosen):
+    x, w = torch.randn(2, 32), torch.randn(24, 32)
+    torch.testing.assert_close(sg.linear(x, w), F.linear(x, w))
+    assert chosen == [] and not sg.uses_skinny(x, w)
+
+
+def test_dispatcher_choice_needs_enabled_bucket_and_shape(chosen, monkeypatch):
+    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
+    w, b = torch.randn(24, 32), torch.randn(24)
+    for M in (1, 2, 3, 5, 16):
+        out = sg.linear(torch.randn(M, 32), w, b)
+        assert out.shape == (M, 24)
+    assert chosen == [(1, 32), (2, 32), (3, 32), (5, 32), (16, 32)]
+    chosen.clear()
+    sg.linear(torch.randn(17, 32), w)  # M > 16: always cuBLAS, whatever the table says
+    sg.linear(torch.randn(0, 32), w)
+    sg.linear(torch.randn(2, 3, 32), w)  # not 2-D
+    sg.linear(torch.randn(2, 32, dtype=torch.float64), w.double())  # dtype not in the table
+    sg.linear(torch.randn(2, 16), torch.randn(24, 16))  # shape not in the table
+    monkeypatch.setitem(sg._choices, (8, 24, 32, torch.float32), False)  # tuned: cuBLAS won
+    sg.linear(torch.randn(7, 32), w)
+    assert chosen == []
+    monkeypatch.setattr(sg, "_enabled", False)
+    sg.linear(torch.randn(2, 32), w)
+    assert chosen == []
+
+
+def test_m_bucket():
+    assert [sg.m_bucket(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
+
+
+def test_tuning_is_a_no_op_on_cpu(monkeypatch):
+    """`tune_skinny_gemm` groups the model's linear layers by (N, K, dtype) (a row-parallel
+    layer's bias as it passes it) and, without CUDA, records nothing."""
+    model = torch.nn.ModuleDict({
+        "a": ColumnParallelLinear(32, 24, bias=True), "b": ColumnParallelLinear(32, 24),
+        "c": RowParallelLinear(24, 32, bias=True), "norm": torch.nn.LayerNorm(8),
+    })
+    groups = sg.linear_weights(model)
+    assert sorted(groups) == [(24, 32, torch.float32), (32, 24, torch.float32)]
+    assert [b is not None for _, b in groups[(24, 32, torch.float32)]] == [True, False]
+    monkeypatch.setattr(sg, "_choices", {})
+    assert sg.tune_skinny_gemm(model, [1, 2, 4, 8, 16, 32]) == {}
+    assert sg._choices == {}
+
+
+def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
+    """With the timer faked: one timing per (M bucket <= 16, N, K, dtype) and implementation,
+    each over every layer of that shape; the table records which was faster."""
+    model = torch.nn.ModuleList([ColumnParallelLinear(32, 24), ColumnParallelLinear(32, 24), RowParallelLinear(24, 32)])
+    timed = []
+
+    def fake_seconds(calls):
+        fn, (x, w, _) = calls[0].func, calls[0].args
+        timed.append((fn.__name__, x.shape[0], tuple(w.shape), len(calls)))
+        if fn is F.linear:
+            return 1.0
+        return 0.5 if w.shape == (24, 32) and x.shape[0] <= 2 else 2.0  # skinny wins there only
+
+    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(sg, "_graph_seconds_per_call", fake_seconds)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: F.linear(x, w, b))  # correct, as checked first
+    monkeypatch.setattr(sg, "_choices", {})
+    results = sg.tune_skinny_gemm(model, [1, 2, 3, 8, 16, 32, 48], min_calls=8)
+    buckets = [1, 2, 4, 8, 16]  # 3 -> 4; 32 and 48 are above MAX_M
+    assert sorted(results) == sorted((m, n, k, torch.float32) for m in buckets for n, k in ((24, 32), (32, 24)))
+    assert sg._choices == {key: key[1] == 24 and key[0] <= 2 for key in results}
+    assert len(timed) == 2 * len(results)
+    # Two layers of shape 24 x 32, rotated to >= 8 calls; one of 32 x 24, repeated 8 times.
+    assert {(shape, n) for _, _, shape, n in timed} == {((24, 32), 8), ((32, 24), 8)}
+
+
+def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, caplog):
+    """Each (M, N, K) is checked against F.linear before it is timed: a kernel that is wrong on
+    the GPU at hand (say, a split-K race) keeps cuBLAS, however fast it is, and is logged."""
+    model = torch.nn.ModuleList([ColumnParallelLinear(32, 24)])
+    timed = []
+    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(sg, "_graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: F.linear(x, w, b) * 1.1)
+    monkeypatch.setattr(sg, "_choices", {})
+    assert sg.tune_skinny_gemm(model, [1, 4]) == {}
+    assert sg._choices == {(1, 24, 32, torch.float32): False, (4, 24, 32, torch.float32): False}
+    assert timed == [] and "keeping cuBLAS" in caplog.text
