@@ -3,7 +3,7 @@
 # latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
 # all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
 # where it was); logs go to $OUT unpiped.
-#   bash bench/gpu_suite.sh [all|tests|bench|serving|profile]
+#   bash bench/gpu_suite.sh [all|tests|bench|serving|profile|kernels]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 source "$(dirname "$0")/suite_common.sh"
@@ -11,13 +11,18 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -v -s -p no:cacheprovider --timeout 150
-  run 300 gpu_kernel_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_triton_gpu.py -q -p no:cacheprovider \
+  run 300 gpu_kernel_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_triton_gpu.py \
+    tests/test_triton_kernels.py tests/test_sampling_kernel.py tests/test_skinny_gemm.py -q -p no:cacheprovider \
     --timeout 120 --durations 5
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then
   run 200 throughput python3 -X faulthandler bench/throughput.py --max-model-len 2048 --no-tqdm --step-stats \
     --json-out "$OUT/results.jsonl" ${THROUGHPUT_ARGS:-}
   run 120 latency python3 -X faulthandler bench/latency.py --max-model-len 2048 --json-out "$OUT/results.jsonl"
+fi
+if [ "$what" = kernels ]; then  # not part of "all": kernel micro-benchmarks (skinny GEMM vs cuBLAS, attention)
+  run 200 kernels_gemm python3 bench/kernels.py --gemm --quick --json "$OUT/kernels_gemm.json"
+  run 200 kernels_attention python3 bench/kernels.py --quick --json "$OUT/kernels_attention.json"
 fi
 if [ "$what" = all ] || [ "$what" = serving ]; then
   port=8765
