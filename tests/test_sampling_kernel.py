@@ -320,9 +320,9 @@ def test_full_size_batch_frequencies():
     rows, vocab, calls, temperature = 256, 151_936, 200, 0.8
     gen = torch.Generator().manual_seed(6)
     row = torch.randn(vocab, generator=gen)
-    spikes = torch.randperm(vocab, generator=gen)[:10]
-    row[spikes] = torch.linspace(8.0, 10.0, 10)
     row[torch.randperm(vocab, generator=gen)[: vocab // 10]] = -INF
+    spikes = torch.randperm(vocab, generator=gen)[:10]
+    row[spikes] = torch.linspace(8.0, 10.0, 10)  # after the -inf ones: every spike stays finite
     logits = row.repeat(rows, 1).cuda()
     t = torch.full((rows,), temperature, device="cuda")
     torch.manual_seed(7)

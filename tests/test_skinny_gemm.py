@@ -295,6 +295,8 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
     """With the timer faked: one timing per (M bucket <= 16, N, K, dtype) and implementation,
     each over every layer of that shape; the table records which was faster."""
     model = torch.nn.ModuleList([ColumnParallelLinear(32, 24), ColumnParallelLinear(32, 24), RowParallelLinear(24, 32)])
+    for p in model.parameters():
+        p.data.normal_()  # torch.empty: may hold NaN, which the correctness check rejects
     timed = []
 
     def fake_seconds(calls):
@@ -321,6 +323,7 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
     """Each (M, N, K) is checked against F.linear before it is timed: a kernel that is wrong on
     the GPU at hand (say, a split-K race) keeps cuBLAS, however fast it is, and is logged."""
     model = torch.nn.ModuleList([ColumnParallelLinear(32, 24)])
+    model[0].weight.data.normal_()
     timed = []
     monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "_graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
