@@ -22,14 +22,13 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 import torch
 import triton
 
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
 from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
-from nanoinfer.kernels.skinny_gemm import SkinnyConfig, skinny_linear
+from nanoinfer.kernels.skinny_gemm import SkinnyConfig, graph_seconds_per_call, skinny_linear
 from nanoinfer.kernels.skinny_gemm import choose_config as choose_skinny_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
@@ -88,29 +87,6 @@ def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig)
     return calls
 
 
-def graph_time_per_call(calls, replays: int = 20) -> float:
-    """Seconds per call from CUDA-graph replays of all calls (median replay)."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    del graph
-    return statistics.median(times) / len(calls)
-
-
 def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> PagedAttentionConfig:
     return choose_config(
         num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, dtype=DTYPE, max_query_len=max_query_len,
@@ -119,7 +95,7 @@ def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> 
 
 
 def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig) -> dict:
-    seconds = graph_time_per_call(decode_calls(pool, batch, ctx, config))
+    seconds = graph_seconds_per_call(decode_calls(pool, batch, ctx, config), replays=20)
     nbytes = decode_bytes(batch, ctx)
     return {"batch": batch, "ctx": ctx, "splits": config.num_splits, "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
 
@@ -268,7 +244,7 @@ def gemm_weights(N: int, K: int, l2_bytes: int) -> list[torch.Tensor]:
 def gemm_seconds(fn, x: torch.Tensor, weights: list[torch.Tensor], min_calls: int = 64) -> float:
     """Seconds per call of fn(x, w) from CUDA-graph replays rotating over `weights`."""
     rounds = triton.cdiv(min_calls, len(weights))
-    return graph_time_per_call([lambda w=w: fn(x, w) for w in weights] * rounds)
+    return graph_seconds_per_call([lambda w=w: fn(x, w) for w in weights] * rounds, replays=20)
 
 
 def bench_gemm(num_sms: int, l2_bytes: int, copy_bw: float) -> list[dict]:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 #   bash bench/tp_suite.sh [all|tests|bench|bench1|bench2|profile]   (bench1/bench2: the TP=1 or TP=2 figures only;
-#   profile, not part of all: the TP=2 single-stream step of rank 0, with a Chrome trace in $OUT)
+#   profile, not part of all: all-reduce latencies (NCCL vs symmetric memory), then the TP=2 single-stream
+#   step of rank 0, with a Chrome trace in $OUT)
 # Tensor parallelism on a 2-GPU machine, in one device call: the TP=2 vs TP=1 equality tests
 # (Qwen3-0.6B and Qwen3-8B shapes), then the reference workload and single-stream latency of the
 # Qwen3-8B shape at TP=1 (both on their own GPU, at the same time) and at TP=2. Each command has
@@ -25,6 +26,8 @@ if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench2 ]; then
     --tensor-parallel-size 2 --json-out "$OUT/results.jsonl"
 fi
 if [ "$what" = profile ]; then
+  run 90 allreduce python3 bench/allreduce.py --hidden 4096
+  cat "$OUT/allreduce.log"
   run 150 profile_tp2 python3 bench/profile_step.py "${EIGHT_B[@]}" --batch 1 --context 128 --steps 50 \
     --tensor-parallel-size 2 --trace "$OUT/trace_tp2_b1.json"
 fi

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,3 +275,14 @@ def test_heads_not_divisible_by_tp(tmp_path, monkeypatch):
     hf_config = get_hf_config(_write_config(tmp_path, hidden_size=96, num_attention_heads=6, num_key_value_heads=3))
     with pytest.raises(ValueError, match=r"size 2 .*num_attention_heads=6 and num_key_value_heads=3.*\[1, 3\]"):
         load_model(None, hf_config, "dummy", torch.float32, torch.device("cpu"))
+
+
+def test_cpu_engine_imports_without_triton():
+    """Triton is optional (the `triton` extra): the model, the runner and the sampler import on a
+    machine without it; kernels are imported only where CUDA runs them."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import nanoinfer.models.llama, nanoinfer.model_runner.model_runner, nanoinfer.sample.sampler\n"
+            "import nanoinfer.engine.llm\n"
+            "print('imported')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-3000:]

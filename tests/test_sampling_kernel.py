@@ -7,45 +7,23 @@ check every token against that rule in float64, accepting either neighbour
 only within 1e-4 of a CDF step (float32 rounding); one test draws torch.rand
 uniforms and checks frequencies with a chi-square bound.
 
-Without CUDA the kernels run in Triton's interpreter: as in
-test_triton_kernels.py, this file then re-runs itself in a child pytest with
-TRITON_INTERPRET=1 set before triton is imported, and the parent only reports
-the child's result. The interpreter takes a few ms per program, so the CPU
+Without CUDA the kernels run in Triton's interpreter, in a child pytest
+(tests/triton_child.py). The interpreter takes a few ms per program, so the CPU
 shapes are small (a few hundred rows).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_child import RUN_HERE, interpreter_child, kernel_test
 
-RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 if RUN_HERE:
     from nanoinfer.kernels.sampling import _plan, sample_from_logits
 
-kernel_test = pytest.mark.skipif(not RUN_HERE, reason="on CPU these run in the TRITON_INTERPRET=1 child of test_cpu_interpreter_child")
-
-
-@pytest.mark.skipif(RUN_HERE, reason="kernels run in this process")
-def test_cpu_interpreter_child():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+test_cpu_interpreter_child = interpreter_child(__file__)
 
 
 CUDA = torch.cuda.is_available()

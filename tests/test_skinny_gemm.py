@@ -1,29 +1,23 @@
 """The skinny (M <= 16) Triton matmul against a float reference, its launch
 heuristic, and the `linear` dispatcher the model's linear layers call.
 
-Kernel launches run in Triton's interpreter on CPU: as in
-test_triton_kernels.py, TRITON_INTERPRET=1 must be set before `triton` is
-first imported, so on CPU this file re-runs itself in a child pytest with the
-variable set. The heuristic and dispatcher tests that launch nothing also run
+Kernel launches run in Triton's interpreter on CPU, in a child pytest
+(tests/triton_child.py). The heuristic and dispatcher tests that launch nothing also run
 in the parent.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_child import interpreter_child, kernel_test
 import torch.nn.functional as F
 
 from nanoinfer.kernels import skinny_gemm as sg
+from nanoinfer.layers import skinny_dispatch as dispatch
 from nanoinfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
-RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-kernel_test = pytest.mark.skipif(not RUN_HERE, reason="on CPU these run in the TRITON_INTERPRET=1 child of test_cpu_interpreter_child")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # ||out - ref|| / ||ref|| against the fp32 product of the same (rounded) inputs. The kernel
@@ -35,20 +29,7 @@ QWEN3_06B = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024
 QWEN3_8B_TP2 = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (12288, 4096), "down": (4096, 6144)}
 
 
-@pytest.mark.skipif(RUN_HERE, reason="kernels run in this process")
-def test_cpu_interpreter_child():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+test_cpu_interpreter_child = interpreter_child(__file__)
 
 
 def rel_err(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
@@ -128,8 +109,8 @@ def test_non_contiguous_inputs():
 def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     """Forced on (the CPU interpreter stands in for the GPU): the layers' forward goes
     through the kernel for a chosen shape and bucket, and matches F.linear."""
-    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(sg, "_enabled", True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(dispatch, "_enabled", True)
     calls = []
     real = sg.skinny_linear
     monkeypatch.setattr(sg, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -139,8 +120,8 @@ def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     for layer in (col, row):
         layer.weight.data.normal_()
         layer.bias.data.normal_()
-    monkeypatch.setitem(sg._choices, (4, 96, 64, torch.float32), True)  # M bucket 4 covers M = 3, 4
-    monkeypatch.setitem(sg._choices, (4, 64, 96, torch.float32), True)
+    monkeypatch.setitem(dispatch._choices, (4, 96, 64, torch.float32), True)  # M bucket 4 covers M = 3, 4
+    monkeypatch.setitem(dispatch._choices, (4, 64, 96, torch.float32), True)
     x = torch.randn(3, 64, device=DEVICE)
     hidden = col(x)
     out = row(hidden)
@@ -238,42 +219,42 @@ def test_choose_config_rejects_bad_m():
 def chosen(monkeypatch):
     """Dispatcher on, every tested shape chosen, and skinny_linear replaced by a recorder."""
     calls = []
-    monkeypatch.setattr(sg, "_enabled", True)
+    monkeypatch.setattr(dispatch, "_enabled", True)
     monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b=None: calls.append(tuple(x.shape)) or F.linear(x, w, b))
     for bucket in (1, 2, 4, 8, 16, 32):
-        monkeypatch.setitem(sg._choices, (bucket, 24, 32, torch.float32), True)
+        monkeypatch.setitem(dispatch._choices, (bucket, 24, 32, torch.float32), True)
     return calls
 
 
 def test_dispatcher_uses_f_linear_on_cpu(chosen):
     x, w = torch.randn(2, 32), torch.randn(24, 32)
-    torch.testing.assert_close(sg.linear(x, w), F.linear(x, w))
-    assert chosen == [] and not sg.uses_skinny(x, w)
+    torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
+    assert chosen == [] and not dispatch.uses_skinny(x, w)
 
 
 def test_dispatcher_choice_needs_enabled_bucket_and_shape(chosen, monkeypatch):
-    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     w, b = torch.randn(24, 32), torch.randn(24)
     for M in (1, 2, 3, 5, 16):
-        out = sg.linear(torch.randn(M, 32), w, b)
+        out = dispatch.linear(torch.randn(M, 32), w, b)
         assert out.shape == (M, 24)
     assert chosen == [(1, 32), (2, 32), (3, 32), (5, 32), (16, 32)]
     chosen.clear()
-    sg.linear(torch.randn(17, 32), w)  # M > 16: always cuBLAS, whatever the table says
-    sg.linear(torch.randn(0, 32), w)
-    sg.linear(torch.randn(2, 3, 32), w)  # not 2-D
-    sg.linear(torch.randn(2, 32, dtype=torch.float64), w.double())  # dtype not in the table
-    sg.linear(torch.randn(2, 16), torch.randn(24, 16))  # shape not in the table
-    monkeypatch.setitem(sg._choices, (8, 24, 32, torch.float32), False)  # tuned: cuBLAS won
-    sg.linear(torch.randn(7, 32), w)
+    dispatch.linear(torch.randn(17, 32), w)  # M > 16: always cuBLAS, whatever the table says
+    dispatch.linear(torch.randn(0, 32), w)
+    dispatch.linear(torch.randn(2, 3, 32), w)  # not 2-D
+    dispatch.linear(torch.randn(2, 32, dtype=torch.float64), w.double())  # dtype not in the table
+    dispatch.linear(torch.randn(2, 16), torch.randn(24, 16))  # shape not in the table
+    monkeypatch.setitem(dispatch._choices, (8, 24, 32, torch.float32), False)  # tuned: cuBLAS won
+    dispatch.linear(torch.randn(7, 32), w)
     assert chosen == []
-    monkeypatch.setattr(sg, "_enabled", False)
-    sg.linear(torch.randn(2, 32), w)
+    monkeypatch.setattr(dispatch, "_enabled", False)
+    dispatch.linear(torch.randn(2, 32), w)
     assert chosen == []
 
 
 def test_m_bucket():
-    assert [sg.m_bucket(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
+    assert [dispatch.m_bucket(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
 
 
 def test_tuning_is_a_no_op_on_cpu(monkeypatch):
@@ -286,9 +267,9 @@ def test_tuning_is_a_no_op_on_cpu(monkeypatch):
     groups = sg.linear_weights(model)
     assert sorted(groups) == [(24, 32, torch.float32), (32, 24, torch.float32)]
     assert [b is not None for _, b in groups[(24, 32, torch.float32)]] == [True, False]
-    monkeypatch.setattr(sg, "_choices", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
     assert sg.tune_skinny_gemm(model, [1, 2, 4, 8, 16, 32]) == {}
-    assert sg._choices == {}
+    assert dispatch._choices == {}
 
 
 def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
@@ -306,14 +287,14 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
             return 1.0
         return 0.5 if w.shape == (24, 32) and x.shape[0] <= 2 else 2.0  # skinny wins there only
 
-    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(sg, "_graph_seconds_per_call", fake_seconds)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(sg, "graph_seconds_per_call", fake_seconds)
     monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: F.linear(x, w, b))  # correct, as checked first
-    monkeypatch.setattr(sg, "_choices", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
     results = sg.tune_skinny_gemm(model, [1, 2, 3, 8, 16, 32, 48], min_calls=8)
     buckets = [1, 2, 4, 8, 16]  # 3 -> 4; 32 and 48 are above MAX_M
     assert sorted(results) == sorted((m, n, k, torch.float32) for m in buckets for n, k in ((24, 32), (32, 24)))
-    assert sg._choices == {key: key[1] == 24 and key[0] <= 2 for key in results}
+    assert dispatch._choices == {key: key[1] == 24 and key[0] <= 2 for key in results}
     assert len(timed) == 2 * len(results)
     # Two layers of shape 24 x 32, rotated to >= 8 calls; one of 32 x 24, repeated 8 times.
     assert {(shape, n) for _, _, shape, n in timed} == {((24, 32), 8), ((32, 24), 8)}
@@ -325,10 +306,10 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
     model = torch.nn.ModuleList([ColumnParallelLinear(32, 24)])
     model[0].weight.data.normal_()
     timed = []
-    monkeypatch.setattr(sg, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(sg, "_graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
+    monkeypatch.setattr(sg, "graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
     monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: F.linear(x, w, b) * 1.1)
-    monkeypatch.setattr(sg, "_choices", {})
+    monkeypatch.setattr(dispatch, "_choices", {})
     assert sg.tune_skinny_gemm(model, [1, 4]) == {}
-    assert sg._choices == {(1, 24, 32, torch.float32): False, (4, 24, 32, torch.float32): False}
+    assert dispatch._choices == {(1, 24, 32, torch.float32): False, (4, 24, 32, torch.float32): False}
     assert timed == [] and "keeping cuBLAS" in caplog.text

@@ -1,50 +1,25 @@
-"""Our Triton KV-write and paged-attention kernels against the PyTorch reference.
+"""Our Triton rotate-and-cache and paged-attention kernels against the PyTorch reference.
 
-Without CUDA the kernels run in Triton's interpreter on CPU tensors. Triton
-3.9 needs TRITON_INTERPRET=1 before `triton` itself is first imported (its
-own `tl.max`/`tl.sum` helpers are decorated then) and for as long as kernels
-launch; other test files may already have imported triton (transformers'
-modeling code does), so on CPU this file re-runs itself in a child pytest
-with the variable set, and the parent only reports the child's result.
+Without CUDA the kernels run in Triton's interpreter, in a child pytest (tests/triton_child.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_child import RUN_HERE, interpreter_child, kernel_test
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.torch_backend import TorchAttentionBackend
 
-RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 if RUN_HERE:
     from nanoinfer.attention import triton_backend
     from nanoinfer.kernels import paged_attention as pa
     from nanoinfer.kernels import rotate_and_cache as rc
 
-kernel_test = pytest.mark.skipif(not RUN_HERE, reason="on CPU these run in the TRITON_INTERPRET=1 child of test_cpu_interpreter_child")
-
-
-@pytest.mark.skipif(RUN_HERE, reason="kernels run in this process")
-def test_cpu_interpreter_child():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout[-8000:]}\n{proc.stderr[-4000:]}"
-    assert " passed" in proc.stdout, proc.stdout[-2000:]
+test_cpu_interpreter_child = interpreter_child(__file__)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -37,8 +37,8 @@ Design:
   pure function of host ints (no autotuning: it would re-tune inside CUDA
   graph capture). `bench/kernels.py --gemm` sweeps the alternatives.
 
-Dispatch: `linear(x, weight, bias)` is what the model's linear layers call.
-It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
+Dispatch (layers/skinny_dispatch.py, free of triton): `linear(x, weight, bias)` is what the
+model's linear layers call. It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
 without enforce_eager), x is 2-D on CUDA with 1 <= M <= 16, and the choice
 table says the kernel beat cuBLAS for this (M bucket, N, K, dtype); the table
 is filled once at start-up by `tune_skinny_gemm`, which times both inside
@@ -61,9 +61,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoinfer.layers import skinny_dispatch
+from nanoinfer.layers.skinny_dispatch import MAX_M
+
 logger = logging.getLogger("nanoinfer")
 
-MAX_M = 16
 # Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits.
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -307,49 +309,13 @@ def skinny_linear(
     return out
 
 
-# ----- dispatch -----
-
-_enabled = False
-# (M bucket, N, K, dtype) -> use the skinny kernel. Filled by `tune_skinny_gemm`.
-_choices: dict[tuple[int, int, int, torch.dtype], bool] = {}
-
-
-def set_skinny_gemm(enabled: bool) -> None:
-    """The model runner turns this on for CUDA without enforce_eager (like `set_fusion`)."""
-    global _enabled
-    _enabled = enabled
-
-
-def m_bucket(M: int) -> int:
-    """Row counts share a choice per power of two (1, 2, 4, 8, 16)."""
-    return triton.next_power_of_2(M)
-
-
-def _kernel_device(x: torch.Tensor) -> bool:
-    """Where the kernel may run (tests widen this to the CPU interpreter)."""
-    return x.is_cuda
-
-
-def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight, ...)` would run the skinny kernel."""
-    if not _enabled or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M or not _kernel_device(x):
-        return False
-    return _choices.get((m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype), False)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or the skinny kernel where the start-up tuning found it faster."""
-    if uses_skinny(x, weight):
-        return skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
 # ----- start-up tuning -----
 
 
-def _graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) -> float:
+def graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) -> float:
     """Median time per call over replays of one CUDA graph holding all `calls` (eager warm-up
-    first, which also compiles and allocates what capture may not)."""
+    first, which also compiles and allocates what capture may not). Graphs leave out launch
+    overhead, as in a decode step; bench/kernels.py times its kernels the same way."""
     for call in calls:
         call()
     torch.cuda.synchronize()
@@ -405,9 +371,9 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
     if not groups:
         return {}
     device = next(iter(groups.values()))[0][0].device
-    if not _kernel_device(next(iter(groups.values()))[0][0]):
+    if not skinny_dispatch._kernel_device(next(iter(groups.values()))[0][0]):
         return {}
-    ms = sorted({m_bucket(b) for b in buckets if 1 <= b <= MAX_M})
+    ms = sorted({skinny_dispatch.m_bucket(b) for b in buckets if 1 <= b <= MAX_M})
     start = time.perf_counter()
     results = {}
     for (N, K, dtype), layers in groups.items():
@@ -422,12 +388,12 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
             if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins
                 logger.error("skinny GEMM %dx%dx%d %s: relative error %.2g vs cuBLAS; keeping cuBLAS", M, N, K,
                              dtype, error)
-                _choices[(M, N, K, dtype)] = False
+                skinny_dispatch._choices[(M, N, K, dtype)] = False
                 continue
             cublas = [functools.partial(F.linear, x, w, b) for w, b in layers] * rounds
             skinny = [functools.partial(skinny_linear, x, w, b) for w, b in layers] * rounds
-            t_cublas, t_skinny = _graph_seconds_per_call(cublas), _graph_seconds_per_call(skinny)
-            _choices[(M, N, K, dtype)] = t_skinny < t_cublas
+            t_cublas, t_skinny = graph_seconds_per_call(cublas), graph_seconds_per_call(skinny)
+            skinny_dispatch._choices[(M, N, K, dtype)] = t_skinny < t_cublas
             results[(M, N, K, dtype)] = (t_cublas * 1e6, t_skinny * 1e6)
     logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/skinny us, * = skinny): %s", time.perf_counter() - start,
                 ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if b < a else ''}" for (m, n, k, _), (a, b) in results.items()))

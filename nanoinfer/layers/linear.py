@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
-from nanoinfer.kernels.skinny_gemm import linear
+from nanoinfer.layers.skinny_dispatch import linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
-from nanoinfer.kernels.skinny_gemm import tune_skinny_gemm
 
 logger = logging.getLogger("nanoinfer")
 
@@ -55,6 +54,8 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
+        from nanoinfer.kernels.skinny_gemm import tune_skinny_gemm  # CUDA only: triton
+
         tune_skinny_gemm(self.model, self.buckets)  # cuBLAS or our skinny GEMM per (M <= 16, N, K), before capture
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             metadata = self._metadata(bs)

@@ -17,7 +17,7 @@ from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
 from nanoinfer.distributed.parallel_state import tp_broadcast_from_rank0, tp_rank
 from nanoinfer.host_copy import to_device_many
-from nanoinfer.kernels.skinny_gemm import set_skinny_gemm
+from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
