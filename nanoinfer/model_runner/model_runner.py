@@ -15,7 +15,7 @@ import torch
 from nanoinfer.attention.backend import get_attention_backend
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
-from nanoinfer.distributed.parallel_state import tp_broadcast_from_rank0, tp_rank
+from nanoinfer.distributed.parallel_state import enable_symmetric_all_reduce, tp_broadcast_from_rank0, tp_rank
 from nanoinfer.host_copy import to_device_many
 from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
@@ -315,5 +315,7 @@ def start_model_runner(config: EngineConfig, source, device: torch.device, dtype
     runner = ModelRunner(config, source.hf_config, source.model_path, device, dtype, source.eos_token_ids,
                          config.tensor_parallel_size)
     runner.initialize_kv_cache(agree_num_blocks(runner.num_kv_blocks_for_budget()))
+    if config.tensor_parallel_size > 1 and device.type == "cuda":  # decode-sized all-reduces
+        enable_symmetric_all_reduce(config.max_num_seqs * source.hf_config.hidden_size, dtype)
     runner.capture_cuda_graphs(source.max_model_len)
     return runner
