@@ -46,9 +46,16 @@ def run_nanoinfer(args) -> dict:
     return figures
 
 
-def _time_steps(core) -> list[tuple[bool, int, float]]:
-    """Wrap the core's step to record (decode-only?, requests, seconds) per step."""
-    records, schedule, step = [], core.scheduler.schedule, core.step
+def _time_steps(core) -> dict:
+    """Wrap the core's step to record (decode-only?, requests, seconds) per step, and watch what
+    could stall a step from outside it: Python's garbage collector (pause per collection) and
+    torch.compile (graphs compiled during the run)."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    stats = {"records": [], "gc": [], "graphs_before": counters["stats"]["unique_graphs"]}
+    records, schedule, step = stats["records"], core.scheduler.schedule, core.step
 
     def timed_schedule():
         out = schedule()
@@ -61,11 +68,25 @@ def _time_steps(core) -> list[tuple[bool, int, float]]:
         records[-1][2] = time.perf_counter() - t
         return result
 
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            stats["gc_start"] = time.perf_counter()
+        else:
+            stats["gc"].append((info["generation"], time.perf_counter() - stats["gc_start"]))
+
     core.scheduler.schedule, core.step = timed_schedule, timed_step
-    return records
+    stats["on_gc"] = on_gc
+    gc.callbacks.append(on_gc)
+    return stats
 
 
-def _summarise(records) -> dict:
+def _summarise(stats) -> dict:
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    gc.callbacks.remove(stats["on_gc"])
+    records = stats["records"]
     decode = [r for r in records if r[0] and r[1]]
     mixed = [r for r in records if not r[0]]
     by_batch = {}
@@ -73,8 +94,13 @@ def _summarise(records) -> dict:
         sel = [r[2] for r in decode if lo <= r[1] <= hi]
         if sel:
             by_batch[f"{lo}-{hi}"] = {"steps": len(sel), "ms_per_step": round(1e3 * sum(sel) / len(sel), 3)}
+    full_gc = [d for g, d in stats["gc"] if g == 2]
     return {"decode_steps": len(decode), "decode_s": round(sum(r[2] for r in decode), 3), "mixed_steps": len(mixed),
-            "mixed_s": round(sum(r[2] for r in mixed), 3), "decode_by_batch": by_batch}
+            "mixed_s": round(sum(r[2] for r in mixed), 3), "decode_by_batch": by_batch,
+            "slowest_mixed_ms": sorted((round(1e3 * r[2], 1) for r in mixed), reverse=True)[:3],
+            "gc_collections": len(stats["gc"]), "gc_s": round(sum(d for _, d in stats["gc"]), 3),
+            "gc_full_s": round(sum(full_gc), 3),
+            "graphs_compiled_during_run": counters["stats"]["unique_graphs"] - stats["graphs_before"]}
 
 
 def run_hf_peer(args) -> dict:
