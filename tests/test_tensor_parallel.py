@@ -272,3 +272,20 @@ def test_broadcast_channel_round_trips_messages_of_every_size() -> None:
     finally:
         dist.destroy_process_group()
         receiver.join(30)
+
+
+def test_symmetric_all_reduce_stays_off_without_nccl() -> None:
+    """Symmetric memory is for GPU ranks on NCCL: with no group, or a gloo (CPU) group, it stays
+    off and all-reduces keep their gloo path (the sum is `x` itself, reduced in place)."""
+    from nanoinfer.distributed import parallel_state
+
+    x = torch.arange(8.0)
+    assert parallel_state.enable_symmetric_all_reduce(1024, torch.float32) is False
+    assert parallel_state.tp_all_reduce(x) is x
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert parallel_state.enable_symmetric_all_reduce(1024, torch.float32) is False
+        assert parallel_state._symm_buffer is None
+        assert torch.equal(parallel_state.tp_all_reduce(x), torch.arange(8.0))
+    finally:
+        dist.destroy_process_group()
