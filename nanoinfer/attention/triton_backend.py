@@ -6,23 +6,14 @@ can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
+from nanoinfer.kernels import num_sms
 from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """SM count steers decode splitting; the CPU interpreter has no SMs to fill."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonAttentionBackend:
@@ -45,7 +36,7 @@ class TritonAttentionBackend:
             max_query_len=metadata.max_query_len,
             num_seqs=metadata.num_seqs,
             max_seq_len=metadata.max_seq_len,
-            num_sms=_num_sms(query.device),
+            num_sms=num_sms(query.device)  # steers decode splitting,
         )
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels import num_sms
 from nanoinfer.layers import skinny_dispatch
 from nanoinfer.layers.skinny_dispatch import MAX_M
 
@@ -133,13 +134,6 @@ def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = tor
         num_warps=_NUM_WARPS,
         num_stages=max(2, min(_MAX_STAGES, steps_per_split + 1)),
     )
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the CPU interpreter has no SMs to fill
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ----- kernel -----
@@ -281,7 +275,7 @@ def skinny_linear(
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
-        config = choose_config(M, N, K, _num_sms(x.device), x.dtype)
+        config = choose_config(M, N, K, num_sms(x.device), x.dtype)
     elif config.block_m < M or config.split_k < 1:
         raise ValueError(f"config {config} cannot cover M={M}")
     if bias is not None and bias.stride(0) != 1:

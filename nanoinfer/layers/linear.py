@@ -7,7 +7,7 @@ one rank. Column-parallel layers split the output features (no communication
 in forward); the row-parallel layer splits the input features and sums the
 partial outputs over ranks.
 
-Every forward's matmul goes through `nanoinfer.kernels.skinny_gemm.linear`:
+Every forward's matmul goes through `nanoinfer.layers.skinny_dispatch.linear`:
 `F.linear`, except for decode-sized inputs on a GPU where the start-up tuning
 found the skinny Triton kernel faster.
 """

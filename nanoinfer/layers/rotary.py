@@ -59,8 +59,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward_with_qk_norm(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                              q_norm: RMSNorm, k_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3: RMSNorm over each query and each key head, then rotate, as one fused region (three
-        small kernels per layer before, which at decode batch sizes cost more than their bytes)."""
+        """Qwen3: RMSNorm over each query and each key head, then rotate (the PyTorch attention
+        backend's path; the Triton backend does this and the KV write in one kernel,
+        kernels/rotate_and_cache.py)."""
         return norm_heads_and_rotate(positions, query, key, q_norm.weight, k_norm.weight, q_norm.eps,
                                      self.cos_cache, self.sin_cache, self.head_dim)
 
@@ -72,12 +73,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
     return out.to(x.dtype).view(shape)
 
 
-@fused
-def apply_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
-                 sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate_query_and_key(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_cache: torch.Tensor,
+                          sin_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     cos = cos_cache[positions].unsqueeze(1)
     sin = sin_cache[positions].unsqueeze(1)
     return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
+
+
+apply_rotary = fused(_rotate_query_and_key)
 
 
 @fused
@@ -86,9 +89,7 @@ def norm_heads_and_rotate(positions: torch.Tensor, query: torch.Tensor, key: tor
                           head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     query = rms_norm_math(query.reshape(-1, head_dim), q_weight, eps).view(query.shape)
     key = rms_norm_math(key.reshape(-1, head_dim), k_weight, eps).view(key.shape)
-    cos = cos_cache[positions].unsqueeze(1)
-    sin = sin_cache[positions].unsqueeze(1)
-    return _rotate(query, cos, sin, head_dim), _rotate(key, cos, sin, head_dim)
+    return _rotate_query_and_key(positions, query, key, cos_cache, sin_cache, head_dim)
 
 
 def get_rope(head_dim: int, max_position: int, hf_config: Any) -> RotaryEmbedding:
