@@ -12,7 +12,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -v -s -p no:cacheprovider --timeout 150
   run 300 gpu_kernel_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_triton_gpu.py \
-    tests/test_triton_kernels.py tests/test_sampling_kernel.py tests/test_skinny_gemm.py -q -p no:cacheprovider \
+    tests/test_triton_kernels.py tests/test_sampling_kernel.py tests/test_skinny_gemm.py tests/test_all_reduce_kernel.py -q -p no:cacheprovider \
     --timeout 120 --durations 5
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -276,7 +276,7 @@ def bench_gemm(num_sms: int, l2_bytes: int, copy_bw: float) -> list[dict]:
             f" {r['skinny_us']:>10.2f} {r['skinny_tbps']:>5.2f} {r['predicted_us']:>8.2f} {r['cublas_us'] / r['skinny_us']:>7.2f}x"
             f"  {r['grid'][0]}x{r['grid'][1]:<5} {r['rel_err']:.1e}"
         )
-    for model, layers in GEMM_LAYERS.items():
+    for model, layers in [(m, n) for m, n in GEMM_LAYERS.items() if m in GEMM_SHAPES]:
         for M in GEMM_MS:
             sel = [r for r in rows if r["model"] == model and r["M"] == M]
             cublas = layers * sum(r["cublas_us"] for r in sel)
@@ -334,6 +334,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the config and split sweeps")
     parser.add_argument("--gemm", action="store_true",
                         help="only the skinny-GEMM section (cuBLAS vs skinny_linear at M <= 16; with a config sweep unless --quick)")
+    parser.add_argument("--gemm-model", choices=sorted(GEMM_SHAPES), default=None,
+                        help="with --gemm: only this model's shapes")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -341,6 +343,9 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     results["copy_gbps"] = copy_bw / 1e9
     if args.gemm:
+        if args.gemm_model is not None:
+            for model in [m for m in GEMM_SHAPES if m != args.gemm_model]:
+                del GEMM_SHAPES[model]
         props = torch.cuda.get_device_properties(0)
         print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {props.multi_processor_count}"
               f"  L2 {props.L2_cache_size >> 20} MiB")

@@ -10,7 +10,8 @@ source "$(dirname "$0")/suite_common.sh"
 nvidia-smi -L
 EIGHT_B=(--model nanoinfer/configs/qwen3-8b.json --max-model-len 2048)
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 330 tp_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_tp_gpu.py -v -s --tb=short -p no:cacheprovider --timeout 150
+  run 400 tp_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_tp_gpu.py tests/test_all_reduce_kernel.py \
+    -v -s --tb=short -p no:cacheprovider --timeout 250
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench1 ]; then
   CUDA_VISIBLE_DEVICES=0 run 200 throughput_tp1 python3 -X faulthandler bench/throughput.py "${EIGHT_B[@]}" --no-tqdm \

@@ -15,9 +15,13 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from nanoinfer.kernels.all_reduce import FusedAllReduce
 
 logger = logging.getLogger("nanoinfer")
 
@@ -27,8 +31,10 @@ LEAVE_TIMEOUT_S = 60.0
 
 _control_group: dist.ProcessGroup | None = None
 _uses_nccl = False
-# Staging buffer in torch symmetric memory for small all-reduces (`enable_symmetric_all_reduce`).
+# Staging buffer in torch symmetric memory for small all-reduces, and the fused all-reduce + add +
+# RMSNorm's buffers (`enable_symmetric_all_reduce`).
 _symm_buffer: torch.Tensor | None = None
+_fused_all_reduce: FusedAllReduce | None = None
 
 
 def tp_world_size() -> int:
@@ -91,10 +97,10 @@ def destroy_tensor_parallel(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     died), so it can hang; an abort is local. gloo-only (CPU) groups are destroyed normally. It runs
     in a thread given `timeout_s`, so that a stuck NCCL call cannot hang the engine's shutdown (the
     group is then left as it is and logged)."""
-    global _control_group, _uses_nccl, _symm_buffer
+    global _control_group, _uses_nccl, _symm_buffer, _fused_all_reduce
     if not dist.is_initialized():
         return
-    _symm_buffer = None
+    _symm_buffer = _fused_all_reduce = None
     leave = threading.Thread(target=_leave_groups, args=(_uses_nccl,), name="nanoinfer-tp-leave", daemon=True)
     try:
         leave.start()
@@ -135,14 +141,16 @@ def tp_min(value: int) -> int:
     return int(t.item())
 
 
-def enable_symmetric_all_reduce(max_numel: int, dtype: torch.dtype) -> bool:
-    """Route all-reduces of up to `max_numel` elements of `dtype` (a decode step's row-parallel
-    outputs) through torch symmetric memory: each rank stages its part in a buffer its peers can
-    read over NVLink and one kernel sums them (a one-shot all-reduce; ~6 us for 8 KB against ~15 us
-    for NCCL on two H200s, bench/allreduce.py). Every rank calls this, in the same order: the
-    buffer's rendezvous is collective, so the ranks first agree that all of them can. Larger
-    all-reduces (prefill) stay on NCCL. Returns whether it is on."""
-    global _symm_buffer
+def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) -> bool:
+    """Route all-reduces of up to `max_rows` x `hidden` elements of `dtype` (a decode step's
+    row-parallel outputs) through torch symmetric memory, where peers read each other's buffers
+    over NVLink: the decoder's all-reduce + residual add + RMSNorm become one Triton kernel
+    (`nanoinfer.kernels.all_reduce`, unless NANOINFER_FUSED_ALL_REDUCE=0), and other all-reduces
+    (the embedding's) torch's one-shot kernel (~6 us for 8 KB against ~15 us for NCCL on two
+    H200s, bench/allreduce.py). Every rank calls this, in the same order: the buffers'
+    rendezvous is collective, so the ranks first agree that all of them can. Larger all-reduces
+    (prefill) stay on NCCL. Returns whether it is on."""
+    global _symm_buffer, _fused_all_reduce
     if not _uses_nccl or tp_world_size() == 1:
         return False
     try:
@@ -152,10 +160,31 @@ def enable_symmetric_all_reduce(max_numel: int, dtype: torch.dtype) -> bool:
     if tp_min(int(symm_mem is not None)) == 0:
         logger.info("torch symmetric memory is not available on every rank; all-reduces use NCCL")
         return False
-    buffer = symm_mem.empty(max_numel, dtype=dtype, device=torch.device("cuda", torch.cuda.current_device()))
-    symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD.group_name
+    buffer = symm_mem.empty(max_rows * hidden, dtype=dtype, device=device)
+    symm_mem.rendezvous(buffer, group)
     _symm_buffer = buffer
+    if os.environ.get("NANOINFER_FUSED_ALL_REDUCE", "1") != "0":
+        from nanoinfer.kernels.all_reduce import FusedAllReduce
+
+        shape, world = (FusedAllReduce.SLOTS, max_rows, hidden), tp_world_size()
+        data = symm_mem.empty(shape, dtype=dtype, device=device)
+        data_handle = symm_mem.rendezvous(data, group)
+        flags = symm_mem.empty((max_rows, world), dtype=torch.int32, device=device)
+        flags.zero_()
+        flag_handle = symm_mem.rendezvous(flags, group)
+        torch.cuda.synchronize()
+        dist.barrier(group=control_group())  # every rank's flags are zero before any rank raises one
+        _fused_all_reduce = FusedAllReduce([data_handle.get_buffer(r, shape, dtype) for r in range(world)],
+                                           [flag_handle.get_buffer(r, (max_rows, world), torch.int32)
+                                            for r in range(world)], tp_rank(), max_rows, hidden)
     return True
+
+
+def fused_all_reduce() -> FusedAllReduce | None:
+    """The all-reduce + add + RMSNorm kernel's state when it is on (see enable_symmetric_all_reduce)."""
+    return _fused_all_reduce
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,16 @@
 """RMSNorm that can also add the residual stream first, so each decoder layer
-does add+norm in one call and keeps the updated residual (nano-vLLM style)."""
+does add+norm in one call and keeps the updated residual (nano-vLLM style).
+
+Under tensor parallelism the norms after row-parallel layers also do their
+all-reduce (`all_reduce_slot`): the layer hands over its partial output and the
+sum, the residual add and the norm run as one kernel on GPUs that allow it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_world_size
 from nanoinfer.layers.fusion import fused
 
 
@@ -26,9 +31,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, all_reduce_slot: int | None = None) -> None:
+        """all_reduce_slot: given, an `x` passed with a residual is a row-parallel layer's partial
+        output, summed over the TP ranks first. Norms that run one after the other alternate
+        slots 0 and 1 (the fused kernel's double buffering, see nanoinfer.kernels.all_reduce)."""
         super().__init__()
         self.eps = eps
+        self.all_reduce_slot = all_reduce_slot
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
@@ -37,4 +46,9 @@ class RMSNorm(nn.Module):
         """Normalise `x` (or `x + residual`, returned as the new residual) over the last dim."""
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
+        if self.all_reduce_slot is not None and tp_world_size() > 1:
+            kernel = fused_all_reduce()
+            if kernel is not None and kernel.fits(x):
+                return kernel(x, residual, self.weight, self.eps, self.all_reduce_slot)
+            x = tp_all_reduce(x)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -124,10 +124,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """y = x W^T + b with W's columns (input features) split over ranks: the input arrives already
-    split (from a column-parallel layer) and the partial products are summed over ranks."""
+    split (from a column-parallel layer) and the partial products are summed over ranks, here or,
+    with reduce_results=False, by the caller (the decoder's next norm fuses the sum in)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
         super().__init__(divide(input_size, tp_world_size(), "input_size"), output_size, bias)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if param is self.weight:
@@ -136,4 +138,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
-        return tp_all_reduce(linear(x, self.weight, self.bias if self.tp_rank == 0 else None))
+        partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return tp_all_reduce(partial) if self.reduce_results else partial

@@ -316,6 +316,6 @@ def start_model_runner(config: EngineConfig, source, device: torch.device, dtype
                          config.tensor_parallel_size)
     runner.initialize_kv_cache(agree_num_blocks(runner.num_kv_blocks_for_budget()))
     if config.tensor_parallel_size > 1 and device.type == "cuda":  # decode-sized all-reduces
-        enable_symmetric_all_reduce(config.max_num_seqs * source.hf_config.hidden_size, dtype)
+        enable_symmetric_all_reduce(config.max_num_seqs, source.hf_config.hidden_size, dtype)
     runner.capture_cuda_graphs(source.max_model_len)
     return runner

@@ -44,7 +44,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, num_heads, num_kv_heads, bias=attention_bias or config.model_type == "qwen2"
         )
-        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias)
+        # Row-parallel outputs stay partial sums over TP ranks: the next norm sums them (fused).
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias,
+                                        reduce_results=False)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -63,7 +65,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
+                                           reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,14 +78,15 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Each sums the partial output before it (the MLP's, the attention's) over TP ranks.
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=1)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=0)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns this layer's output and the residual stream *before* adding it: the next
-        norm does the add, fused with normalisation."""
+        """Returns this layer's output (a partial sum over TP ranks) and the residual stream
+        *before* adding it: the next norm does the sum and the add, fused with normalisation."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -101,7 +105,7 @@ class LlamaModel(nn.Module):
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, config)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
