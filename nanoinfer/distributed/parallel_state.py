@@ -176,9 +176,11 @@ def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) 
         flag_handle = symm_mem.rendezvous(flags, group)
         torch.cuda.synchronize()
         dist.barrier(group=control_group())  # every rank's flags are zero before any rank raises one
-        _fused_all_reduce = FusedAllReduce([data_handle.get_buffer(r, shape, dtype) for r in range(world)],
-                                           [flag_handle.get_buffer(r, (max_rows, world), torch.int32)
-                                            for r in range(world)], tp_rank(), max_rows, hidden)
+        rank = tp_rank()
+        _fused_all_reduce = FusedAllReduce(
+            [data if r == rank else data_handle.get_buffer(r, shape, dtype) for r in range(world)],
+            [flags if r == rank else flag_handle.get_buffer(r, (max_rows, world), torch.int32) for r in range(world)],
+            rank, max_rows, hidden)
     return True
 
 

@@ -87,8 +87,9 @@ class FusedAllReduce:
 
     def __init__(self, buffers: list[torch.Tensor], flags: list[torch.Tensor], rank: int,
                  max_rows: int, hidden: int) -> None:
-        """`buffers[r]`: rank r's buffer [SLOTS, max_rows, hidden] as this rank sees it (its
-        symmetric-memory mapping); `flags[r]`: rank r's flags [max_rows, world], zeroed."""
+        """`buffers[r]`: rank r's buffer [SLOTS, max_rows, hidden] as this rank sees it, `flags[r]`:
+        its flags [max_rows, world], zeroed; this rank's own entries must be the tensors that own
+        the memory (kept here: peers' views of an allocation do not keep it alive)."""
         world = len(buffers)
         self.rank, self.world, self.max_rows, self.hidden = rank, world, max_rows, hidden
         self.dtype = buffers[0].dtype
@@ -96,7 +97,7 @@ class FusedAllReduce:
         self.buffer_ptrs = torch.tensor([[b[slot].data_ptr() for b in buffers] for slot in range(self.SLOTS)],
                                         dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=device)
-        self._keep = (buffers, flags)  # the mappings must outlive every launch
+        self.buffers, self.flags = buffers, flags
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden and x.dtype == self.dtype
