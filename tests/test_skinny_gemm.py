@@ -14,6 +14,7 @@ import torch
 from triton_child import interpreter_child, kernel_test
 import torch.nn.functional as F
 
+from nanoinfer.kernels import arrival_counters
 from nanoinfer.kernels import skinny_gemm as sg
 from nanoinfer.layers import skinny_dispatch as dispatch
 from nanoinfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
@@ -81,7 +82,7 @@ def test_split_k_matches_reference_and_leaves_counters_zero(config, dtype):
     x, w, b = make(5, 72, 200, dtype, bias=True)
     first = sg.skinny_linear(x, w, b, config=config)
     assert rel_err(first, x, w, b) < REL_TOL[dtype]
-    assert int(sg._COUNTERS[x.device].abs().sum()) == 0
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
     second = sg.skinny_linear(x, w, b, config=config)
     assert torch.equal(first, second)  # the split order of the sum is fixed
     no_split = sg.skinny_linear(x, w, b, config=split_config(1, block_n=config.block_n, block_k=config.block_k))
@@ -120,8 +121,8 @@ def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     for layer in (col, row):
         layer.weight.data.normal_()
         layer.bias.data.normal_()
-    monkeypatch.setitem(dispatch._choices, (4, 96, 64, torch.float32), True)  # M bucket 4 covers M = 3, 4
-    monkeypatch.setitem(dispatch._choices, (4, 64, 96, torch.float32), True)
+    monkeypatch.setitem(dispatch._choices, (4, 96, 64, torch.float32), split_config(1))  # M bucket 4: M = 3, 4
+    monkeypatch.setitem(dispatch._choices, (4, 64, 96, torch.float32), split_config(2, block_k=32))
     x = torch.randn(3, 64, device=DEVICE)
     hidden = col(x)
     out = row(hidden)
@@ -206,6 +207,23 @@ def test_choose_config_tiles_cover_k_and_n(M, dtype):
                 assert 2 <= c.num_stages <= 4 and c.num_warps in (2, 4, 8)
 
 
+def test_candidate_configs_include_the_sweep_winners():
+    """The heuristic's config comes first; the 32-column, half-K-step family at the fill-the-SMs
+    split and twice it follows: it holds the sweep's best config for each Qwen3-8B TP=2 shape
+    at M=1 on 132 SMs (bench/NOTES.md). Every candidate covers N and K with no empty split."""
+    best = {"qkv": 4, "o_proj": 2, "gate_up": 1, "down": 2}  # split of n32/k128 that won the sweep
+    for name, (N, K) in QWEN3_8B_TP2.items():
+        configs = sg.candidate_configs(1, N, K, 132)
+        assert configs[0] == sg.choose_config(1, N, K, 132)
+        assert any((c.block_n, c.block_k, c.split_k) == (32, 128, best[name]) for c in configs), (name, configs)
+    for N, K in [(24, 32), *QWEN3_06B.values(), *QWEN3_8B_TP2.values()]:
+        for M in (1, 7, 16):
+            configs = sg.candidate_configs(M, N, K, 132)
+            assert len(set(configs)) == len(configs) <= 3
+            for c in configs:
+                assert c.block_m >= M and (c.split_k - 1) * c.k_per_split(K) < K <= c.split_k * c.k_per_split(K)
+
+
 def test_choose_config_rejects_bad_m():
     for M in (0, 17):
         with pytest.raises(ValueError, match="1 <= M <= 16"):
@@ -220,16 +238,17 @@ def chosen(monkeypatch):
     """Dispatcher on, every tested shape chosen, and skinny_linear replaced by a recorder."""
     calls = []
     monkeypatch.setattr(dispatch, "_enabled", True)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b=None: calls.append(tuple(x.shape)) or F.linear(x, w, b))
+    monkeypatch.setattr(sg, "skinny_linear",
+                        lambda x, w, b=None, config=None: calls.append(tuple(x.shape)) or F.linear(x, w, b))
     for bucket in (1, 2, 4, 8, 16, 32):
-        monkeypatch.setitem(dispatch._choices, (bucket, 24, 32, torch.float32), True)
+        monkeypatch.setitem(dispatch._choices, (bucket, 24, 32, torch.float32), split_config(1))
     return calls
 
 
 def test_dispatcher_uses_f_linear_on_cpu(chosen):
     x, w = torch.randn(2, 32), torch.randn(24, 32)
     torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
-    assert chosen == [] and not dispatch.uses_skinny(x, w)
+    assert chosen == [] and dispatch.skinny_config(x, w) is None
 
 
 def test_dispatcher_choice_needs_enabled_bucket_and_shape(chosen, monkeypatch):
@@ -245,7 +264,7 @@ def test_dispatcher_choice_needs_enabled_bucket_and_shape(chosen, monkeypatch):
     dispatch.linear(torch.randn(2, 3, 32), w)  # not 2-D
     dispatch.linear(torch.randn(2, 32, dtype=torch.float64), w.double())  # dtype not in the table
     dispatch.linear(torch.randn(2, 16), torch.randn(24, 16))  # shape not in the table
-    monkeypatch.setitem(dispatch._choices, (8, 24, 32, torch.float32), False)  # tuned: cuBLAS won
+    monkeypatch.setitem(dispatch._choices, (8, 24, 32, torch.float32), None)  # tuned: cuBLAS won
     dispatch.linear(torch.randn(7, 32), w)
     assert chosen == []
     monkeypatch.setattr(dispatch, "_enabled", False)
@@ -273,8 +292,9 @@ def test_tuning_is_a_no_op_on_cpu(monkeypatch):
 
 
 def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
-    """With the timer faked: one timing per (M bucket <= 16, N, K, dtype) and implementation,
-    each over every layer of that shape; the table records which was faster."""
+    """With the timer faked: one timing per (M bucket <= 16, N, K, dtype) for cuBLAS and for each
+    candidate config, each over every layer of that shape; the table records the fastest (the
+    first candidate on a tie) or None where cuBLAS won."""
     model = torch.nn.ModuleList([ColumnParallelLinear(32, 24), ColumnParallelLinear(32, 24), RowParallelLinear(24, 32)])
     for p in model.parameters():
         p.data.normal_()  # torch.empty: may hold NaN, which the correctness check rejects
@@ -289,13 +309,16 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "graph_seconds_per_call", fake_seconds)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: F.linear(x, w, b))  # correct, as checked first
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config: F.linear(x, w, b))  # correct, as checked first
     monkeypatch.setattr(dispatch, "_choices", {})
     results = sg.tune_skinny_gemm(model, [1, 2, 3, 8, 16, 32, 48], min_calls=8)
     buckets = [1, 2, 4, 8, 16]  # 3 -> 4; 32 and 48 are above MAX_M
     assert sorted(results) == sorted((m, n, k, torch.float32) for m in buckets for n, k in ((24, 32), (32, 24)))
-    assert dispatch._choices == {key: key[1] == 24 and key[0] <= 2 for key in results}
-    assert len(timed) == 2 * len(results)
+    num_sms = sg.num_sms(torch.device(DEVICE))
+    assert dispatch._choices == {
+        key: sg.candidate_configs(*key[:3], num_sms, torch.float32)[0] if key[1] == 24 and key[0] <= 2 else None
+        for key in results}
+    assert len(timed) == sum(1 + len(sg.candidate_configs(*key[:3], num_sms, torch.float32)) for key in results)
     # Two layers of shape 24 x 32, rotated to >= 8 calls; one of 32 x 24, repeated 8 times.
     assert {(shape, n) for _, _, shape, n in timed} == {((24, 32), 8), ((32, 24), 8)}
 
@@ -308,8 +331,9 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
     timed = []
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b: F.linear(x, w, b) * 1.1)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config: F.linear(x, w, b) * 1.1)
     monkeypatch.setattr(dispatch, "_choices", {})
-    assert sg.tune_skinny_gemm(model, [1, 4]) == {}
-    assert dispatch._choices == {(1, 24, 32, torch.float32): False, (4, 24, 32, torch.float32): False}
-    assert timed == [] and "keeping cuBLAS" in caplog.text
+    results = sg.tune_skinny_gemm(model, [1, 4])
+    assert dispatch._choices == {(1, 24, 32, torch.float32): None, (4, 24, 32, torch.float32): None}
+    assert [r[2] for r in results.values()] == [None, None]
+    assert [c[0].func for c in timed] == [F.linear, F.linear] and "not used" in caplog.text

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,38 @@ def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
         assert f"tensor-parallel worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(errors[0])
         with pytest.raises(RuntimeError, match="stopped after an earlier error: tensor-parallel worker rank 1"):
             llm.engine.step()
+    finally:
+        llm.close()
+
+
+class _Event:
+    """Stands in for a CUDA event of a launched step: done, or (a GPU spinning in an all-reduce
+    whose peer died) never."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_waiting_for_a_step_watches_the_workers(tiny_qwen3) -> None:
+    """Rank 0 waits for a step's tokens by polling its event and checking the workers: if one dies
+    while rank 0's GPU spins in a symmetric-memory all-reduce (which no NCCL timeout ends), the
+    wait ends in WorkerDiedError instead of blocking in CUDA for ever."""
+    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV)
+    try:
+        driver = llm.engine.core.tp_driver
+        llm.engine.add_request("r", list(range(1, 30)), greedy(4))
+        llm.engine.step()
+        assert driver._unsent[-1].wait_for_device == driver._wait_for_step
+        driver._wait_for_step(_Event(True))  # a finished step: returns at once
+        worker = driver.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=f"rank 1 \\(pid {worker.pid}\\) was killed by SIGKILL"):
+            driver._wait_for_step(_Event(False))
+        assert time.monotonic() - start < 30
     finally:
         llm.close()
 

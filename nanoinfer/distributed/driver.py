@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from nanoinfer.model_runner.output import RunnerFuture
 
 JOIN_TIMEOUT_S = 10.0
+# How often rank 0, waiting for a step on the GPU, checks that the workers are alive.
+WORKER_CHECK_S = 0.05
 # How long a failed collective waits for a worker to finish dying (its sockets close first).
 DEATH_GRACE_S = 5.0
 
@@ -187,8 +189,21 @@ class TensorParallelDriver:
             self.workers.channel.send(StepMessage(scheduler_output, *self._read_back_tokens()))
             future = self.runner.execute_model(scheduler_output)
         if future is not None:
+            future.wait_for_device = self._wait_for_step
             self._unsent.append(future)
         return future
+
+    def _wait_for_step(self, event: torch.cuda.Event) -> None:
+        """Wait for a launched step on the GPU, checking the workers every WORKER_CHECK_S: a worker
+        that dies mid-step leaves rank 0's GPU spinning in a symmetric-memory all-reduce, which no
+        NCCL timeout ends, so blocking in CUDA would hang the engine."""
+        with self._guard():
+            checked = time.monotonic()
+            while not event.query():
+                if time.monotonic() - checked > WORKER_CHECK_S:
+                    self._raise_if_worker_died()
+                    checked = time.monotonic()
+                time.sleep(0)
 
     def _read_back_tokens(self) -> tuple[list[str], list[int], list[int]]:
         """(req_ids, positions, token ids) of the launched steps whose results the engine has read,

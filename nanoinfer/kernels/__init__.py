@@ -1,4 +1,6 @@
-"""Our Triton kernels. `num_sms` is shared by the launch heuristics that size grids to the GPU."""
+"""Our Triton kernels. `num_sms` is shared by the launch heuristics that size grids to the GPU;
+`arrival_counters` by the kernels whose split programs merge their results in the last one to
+arrive (split-K matmul, split-KV attention) instead of in a second kernel."""
 
 from __future__ import annotations
 
@@ -13,3 +15,26 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_MIN_COUNTERS = 4096
+
+
+def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's persistent int32 arrival counters, all zero between launches: a split
+    launch's programs each add 1 to their tile's counter, and the last to arrive merges the
+    splits and resets it to 0. Allocated on first use, which must come before CUDA-graph
+    capture (the eager warm-up does it); launches that share them must be stream-ordered
+    (the engine runs one stream)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < needed:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split kernels' arrival counters must be allocated before CUDA-graph capture "
+                               "(run the same shapes eagerly first)")
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)  # captured graphs may still point at it: never free
+        buf = torch.zeros(max(_MIN_COUNTERS, needed), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf

@@ -8,9 +8,12 @@ BLOCK_N-token steps, gathering BLOCK_N // block_size cache blocks per step
 through the block table, with an online softmax in fp32.
 
 Decode-only batches launch one program per (sequence, KV head, split). With
-few sequences the context is cut into `num_splits` ranges whose partial
-results a second kernel merges by their log-sum-exp, so one long sequence
-still spreads over the whole GPU. Every launch parameter comes from host ints
+few sequences the context is cut into `num_splits` ranges, so one long
+sequence still spreads over the whole GPU; each split stores its partial
+result and log-sum-exp, and the last split of a (sequence, KV head) to
+arrive (an atomic counter, `arrival_counters`) merges them. One launch, no
+second kernel: at decode batch sizes a merge kernel and its launch gap cost
+more than the merge's few kilobytes. Every launch parameter comes from host ints
 (shapes and `max_query_len` / `max_seq_len`), never from device tensors, so
 decode launches can be captured in a CUDA graph.
 """
@@ -24,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels import arrival_counters
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -35,7 +40,7 @@ class PagedAttentionConfig:
     block_q: int  # query tokens per tile
     block_m: int  # tile rows: block_q * query heads per KV head, padded to a power of two >= 16
     block_n: int  # context tokens per inner step (several cache blocks)
-    num_splits: int  # > 1: split the context (decode only) and merge in a second kernel
+    num_splits: int  # > 1: split the context (decode only); the last split to finish merges
     num_warps: int
     num_stages: int
 
@@ -171,6 +176,8 @@ def _paged_attention_kernel(
     v_cache_ptr,
     out_ptr,  # final output, or fp32 partial outputs [tokens, heads, splits, dim] when SPLIT
     lse_ptr,  # fp32 [tokens, heads, splits] log2-sum-exp of each split (SPLIT only)
+    final_ptr,  # final output when SPLIT [tokens, heads, dim]
+    counter_ptr,  # int32 arrival counter per (sequence, KV head), all zero between launches (SPLIT only)
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -188,6 +195,8 @@ def _paged_attention_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    stride_ft,
+    stride_fh,
     QUERY_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -261,42 +270,40 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + token_row * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+        lse_rows = lse_ptr + token_row * stride_lt + head * stride_lh
+        tl.store(lse_rows + split, lse, mask=row_valid)
+        # Every thread's stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival.
+        tl.debug_barrier()
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1) == num_splits - 1:
+            _merge_splits(out_ptr + token_row * stride_ot + head * stride_oh, lse_rows, final_ptr, token_row, head,
+                          row_valid, num_splits, stride_os, stride_ft, stride_fh, BLOCK_M, HEAD_DIM)
+            tl.store(counter, 0)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_ph", "stride_lt", "stride_lh"])
-def _merge_splits_kernel(
-    partial_ptr,
-    lse_ptr,
-    out_ptr,
-    num_splits,
-    stride_pt,
-    stride_ph,
-    stride_ps,
-    stride_lt,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    """Combine each split's normalised output, weighted by exp2(lse - max lse)."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
+@triton.jit
+def _merge_splits(partial_rows, lse_rows, final_ptr, token_row, head, row_valid, num_splits, stride_os,
+                  stride_ft, stride_fh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The last split of a (sequence, KV head): combine every split's normalised output,
+    weighted by exp2(lse - running max); empty splits (lse -inf) weigh nothing. Reads go to
+    L2 (.cg): other programs wrote them."""
     dims = tl.arange(0, HEAD_DIM)
-    valid = splits < num_splits
-    lse = tl.load(lse_ptr + tok * stride_lt + head * stride_lh + splits, mask=valid, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    total = tl.sum(weight, 0)
-    partial = tl.load(
-        partial_ptr + tok * stride_pt + head * stride_ph + splits[:, None] * stride_ps + dims[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_rows + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(partial_rows[:, None] + s * stride_os + dims[None, :], mask=row_valid[:, None], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_new))
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        total = total * alpha + weight
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(final_ptr + token_row[:, None] * stride_ft + head[:, None] * stride_fh + dims[None, :],
+             out.to(final_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 def _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
@@ -354,8 +361,9 @@ def paged_attention(
         partial = torch.empty((num_tokens, num_heads, config.num_splits, head_dim), dtype=torch.float32, device=query.device)
         lse = torch.empty((num_tokens, num_heads, config.num_splits), dtype=torch.float32, device=query.device)
         target, stride_os, lse_strides = partial, partial.stride(2), (lse.stride(0), lse.stride(1))
+        counters = arrival_counters(query.device, num_seqs * num_kv_heads)
     else:
-        lse, target, stride_os, lse_strides = out, out, 0, (0, 0)
+        lse, target, stride_os, lse_strides, counters = out, out, 0, (0, 0), out
     if config.decode:
         grid = (num_seqs, num_kv_heads, config.num_splits)
     else:
@@ -366,6 +374,8 @@ def paged_attention(
         v_cache,
         target,
         lse,
+        out,
+        counters,
         query_start_loc,
         seq_lens,
         block_tables,
@@ -382,6 +392,8 @@ def paged_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         QUERY_GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
@@ -394,21 +406,4 @@ def paged_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            partial,
-            lse,
-            out,
-            config.num_splits,
-            partial.stride(0),
-            partial.stride(1),
-            partial.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=triton.next_power_of_2(config.num_splits),
-            num_warps=4,
-        )
     return out

@@ -29,10 +29,8 @@ Design:
   split order (deterministic regardless of arrival order), adds the bias,
   writes the output and resets the counter to 0 for the next launch. So a
   split launch is still one kernel: no zero-fill, no second reduction kernel,
-  no fp32-to-bf16 cast kernel. The counters are one persistent int32 buffer
-  per device, allocated on first use (outside CUDA-graph capture: the eager
-  warm-up before capture does it) and left all-zero by every launch. Launches
-  that share the buffer must be stream-ordered (the engine runs one stream).
+  no fp32-to-bf16 cast kernel. The counters are `arrival_counters`, shared
+  with split-KV attention.
 * Launch parameters come from `choose_config(M, N, K, num_sms, dtype)`, a
   pure function of host ints (no autotuning: it would re-tune inside CUDA
   graph capture). `bench/kernels.py --gemm` sweeps the alternatives.
@@ -61,7 +59,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels import num_sms
+from nanoinfer.kernels import arrival_counters, num_sms
 from nanoinfer.layers import skinny_dispatch
 from nanoinfer.layers.skinny_dispatch import MAX_M
 
@@ -99,6 +97,18 @@ class SkinnyConfig:
         return triton.cdiv(N, self.block_n), self.split_k
 
 
+def _fill_split(tiles: int, k_steps: int, num_sms: int) -> int:
+    """The smallest power-of-two split giving at least one program per SM, while every split keeps
+    at least one K step (no empty split)."""
+    split = 1
+    while tiles * split < num_sms and split < _MAX_SPLIT_K:
+        candidate = 2 * split
+        if (candidate - 1) * triton.cdiv(k_steps, candidate) >= k_steps:  # the last split would be empty
+            break
+        split = candidate
+    return split
+
+
 def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
     """Launch shape for an [M, K] x [N, K]^T product.
 
@@ -119,13 +129,7 @@ def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = tor
     block_k = max(16, min(_ROW_BYTES_PER_STEP // itemsize, triton.next_power_of_2(K)))
     block_n = min(16 if M <= 8 else 32, max(16, triton.next_power_of_2(N)))
     tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
-    split = 1
-    while tiles * split < num_sms and split < _MAX_SPLIT_K:
-        candidate = 2 * split
-        steps = triton.cdiv(k_steps, candidate)
-        if (candidate - 1) * steps >= k_steps:  # the last split would be empty
-            break
-        split = candidate
+    split = _fill_split(tiles, k_steps, num_sms)
     steps_per_split = triton.cdiv(k_steps, split)
     return SkinnyConfig(
         block_n=block_n,
@@ -134,6 +138,29 @@ def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = tor
         num_warps=_NUM_WARPS,
         num_stages=max(2, min(_MAX_STAGES, steps_per_split + 1)),
     )
+
+
+
+def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> list[SkinnyConfig]:
+    """What the start-up tuning times for one shape: the heuristic's config, and 32-column tiles
+    with half-size K steps at the heuristic's split rule and at twice that split. The second family
+    won every Qwen3-8B TP=2 shape in the sweep (`bench/kernels.py --gemm`, bench/NOTES.md) by 5-28%
+    over the heuristic, which still wins the small 0.6B shapes; the right split varies per shape."""
+    base = choose_config(M, N, K, num_sms, dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    block_n = max(base.block_n, min(32, max(16, triton.next_power_of_2(N))))
+    block_k = max(16, min(_ROW_BYTES_PER_STEP // 2 // itemsize, triton.next_power_of_2(K)))
+    tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+    split = _fill_split(tiles, k_steps, num_sms)
+    configs = [base]
+    for s in (split, 2 * split):
+        if s > 1 and (s - 1) * triton.cdiv(k_steps, s) >= k_steps:  # the last split would be empty
+            continue
+        config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=s, num_warps=_NUM_WARPS,
+                              num_stages=max(2, min(_MAX_STAGES, triton.cdiv(k_steps, s) + 1)))
+        if config not in configs:
+            configs.append(config)
+    return configs
 
 
 # ----- kernel -----
@@ -218,25 +245,6 @@ def _skinny_gemm_kernel(
             _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-_MIN_COUNTERS = 4096  # split launches have fewer column tiles than SMs (unless a config says otherwise)
-
-
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    """The device's persistent arrival counters (all zero between launches)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny GEMM split-K counters must be allocated before CUDA-graph capture "
-                               "(run the same shapes eagerly first)")
-        if buf is not None:
-            _RETIRED_COUNTERS.append(buf)  # captured graphs may still point at it: never free
-        buf = torch.zeros(max(_MIN_COUNTERS, needed), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
@@ -284,7 +292,7 @@ def skinny_linear(
     grid = config.grid(N)
     if config.split_k > 1:
         partial = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, grid[0])
+        counters = arrival_counters(x.device, grid[0])
     else:
         partial = counters = out  # unused
     _skinny_gemm_kernel[grid](
@@ -351,14 +359,15 @@ _TUNE_REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 @torch.inference_mode()
 def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_calls: int = 64) -> dict:
-    """Time `F.linear` against `skinny_linear` once per (M bucket <= 16, N, K, dtype) of the
-    model's linear layers and record the winner for `linear`.
+    """Time `F.linear` against `skinny_linear` at each of `candidate_configs` once per (M bucket
+    <= 16, N, K, dtype) of the model's linear layers and record the fastest for `linear`
+    (a config, or None for cuBLAS).
 
     Each timing replays a CUDA graph of >= `min_calls` calls that rotate over every layer's own
     weight of that shape (28 distinct matrices for Qwen3-0.6B), so the weights stream from HBM
     as in a decode step rather than sitting in L2; graphs also hide launch overhead. Both sides
     run on the same random x. Set NANOINFER_SKINNY_GEMM=0 to skip (everything stays cuBLAS).
-    Returns {(M, N, K, dtype): (cublas_us, skinny_us)}."""
+    Returns {(M, N, K, dtype): (cublas_us, best_us, best config or None)}."""
     if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0":
         return {}
     groups = linear_weights(model)
@@ -378,17 +387,22 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
             x = torch.randn(M, K, device=device, dtype=dtype)
             w, b = layers[0]
             expected = F.linear(x, w, b).float()
-            error = ((skinny_linear(x, w, b).float() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-            if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins
-                logger.error("skinny GEMM %dx%dx%d %s: relative error %.2g vs cuBLAS; keeping cuBLAS", M, N, K,
-                             dtype, error)
-                skinny_dispatch._choices[(M, N, K, dtype)] = False
-                continue
             cublas = [functools.partial(F.linear, x, w, b) for w, b in layers] * rounds
-            skinny = [functools.partial(skinny_linear, x, w, b) for w, b in layers] * rounds
-            t_cublas, t_skinny = graph_seconds_per_call(cublas), graph_seconds_per_call(skinny)
-            skinny_dispatch._choices[(M, N, K, dtype)] = t_skinny < t_cublas
-            results[(M, N, K, dtype)] = (t_cublas * 1e6, t_skinny * 1e6)
-    logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/skinny us, * = skinny): %s", time.perf_counter() - start,
-                ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if b < a else ''}" for (m, n, k, _), (a, b) in results.items()))
+            best, t_best = None, graph_seconds_per_call(cublas)
+            t_cublas = t_best
+            for config in candidate_configs(M, N, K, num_sms(device), dtype):
+                out = skinny_linear(x, w, b, config=config).float()
+                error = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+                if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins
+                    logger.error("skinny GEMM %dx%dx%d %s %s: relative error %.2g vs cuBLAS; not used", M, N, K,
+                                 dtype, config, error)
+                    continue
+                t = graph_seconds_per_call([functools.partial(skinny_linear, x, w, b, config=config)
+                                            for w, b in layers] * rounds)
+                if t < t_best:
+                    best, t_best = config, t
+            skinny_dispatch._choices[(M, N, K, dtype)] = best
+            results[(M, N, K, dtype)] = (t_cublas * 1e6, t_best * 1e6, best)
+    logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/best us, * = skinny): %s", time.perf_counter() - start,
+                ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if c else ''}" for (m, n, k, _), (a, b, c) in results.items()))
     return results

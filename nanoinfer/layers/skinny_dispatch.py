@@ -5,13 +5,16 @@ so that the layers, and CPU runs, never import triton."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 MAX_M = 16  # rows the skinny kernel takes
 _enabled = False
-# (M bucket, N, K, dtype) -> use the skinny kernel. Filled on CUDA by `tune_skinny_gemm`.
-_choices: dict[tuple[int, int, int, torch.dtype], bool] = {}
+# (M bucket, N, K, dtype) -> the skinny kernel's launch config (a SkinnyConfig) where it beat
+# cuBLAS, None where cuBLAS won. Filled on CUDA by `tune_skinny_gemm`.
+_choices: dict[tuple[int, int, int, torch.dtype], Any] = {}
 
 
 def set_skinny_gemm(enabled: bool) -> None:
@@ -30,17 +33,18 @@ def _kernel_device(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear(x, weight, ...)` would run the skinny kernel."""
+def skinny_config(x: torch.Tensor, weight: torch.Tensor) -> Any:
+    """The skinny kernel's config `linear(x, weight, ...)` would run with, or None for `F.linear`."""
     if not _enabled or x.dim() != 2 or not 1 <= x.shape[0] <= MAX_M or not _kernel_device(x):
-        return False
-    return _choices.get((m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype), False)
+        return None
+    return _choices.get((m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or the skinny kernel where the start-up tuning found it faster."""
-    if uses_skinny(x, weight):
+    config = skinny_config(x, weight)
+    if config is not None:
         from nanoinfer.kernels import skinny_gemm  # only reached on CUDA, after tuning
 
-        return skinny_gemm.skinny_linear(x, weight, bias)
+        return skinny_gemm.skinny_linear(x, weight, bias, config=config)
     return F.linear(x, weight, bias)

@@ -4,6 +4,8 @@ meanwhile), and the conversions of sampler tensors into per-request results."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from nanoinfer.model_runner.state import CachedRequestState
@@ -56,7 +58,9 @@ def stack_rows(rows: list[SamplerOutput | None], device: torch.device) -> Sample
 
 
 class RunnerFuture:
-    """The sampled tokens of one launched step; `result()` waits for them (once)."""
+    """The sampled tokens of one launched step; `result()` waits for them (once), with
+    `wait_for_device(event)`: `event.synchronize()` unless the owner sets another (the
+    tensor-parallel driver polls, watching its workers)."""
 
     def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
                  host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
@@ -64,6 +68,7 @@ class RunnerFuture:
         self.states, self.sampled, self.host_copy = states, sampled, host_copy
         self.errors = errors or {}
         self.positions = positions or []  # each sampled token's index in its request's token list
+        self.wait_for_device: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize
         self._output: ModelRunnerOutput | None = None
 
     def done(self) -> bool:
@@ -77,7 +82,7 @@ class RunnerFuture:
                 return self._output
             host, event = self.host_copy
             if event is not None:
-                event.synchronize()
+                self.wait_for_device(event)
             token_ids = host.tolist()
             for state, token_id in zip(self.states, token_ids):
                 state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
