@@ -197,13 +197,13 @@ def test_waiting_for_a_step_watches_the_workers(tiny_qwen3) -> None:
         driver = llm.engine.core.tp_driver
         llm.engine.add_request("r", list(range(1, 30)), greedy(4))
         llm.engine.step()
-        assert driver._unsent[-1].wait_for_device == driver._wait_for_step
-        driver._wait_for_step(_Event(True))  # a finished step: returns at once
+        wait = driver._unsent[-1].wait_for_device  # what the step's future waits with
+        wait(_Event(True))  # a finished step: returns at once
         worker = driver.workers.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match=f"rank 1 \\(pid {worker.pid}\\) was killed by SIGKILL"):
-            driver._wait_for_step(_Event(False))
+            wait(_Event(False))
         assert time.monotonic() - start < 30
     finally:
         llm.close()

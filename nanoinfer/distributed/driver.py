@@ -189,7 +189,9 @@ class TensorParallelDriver:
             self.workers.channel.send(StepMessage(scheduler_output, *self._read_back_tokens()))
             future = self.runner.execute_model(scheduler_output)
         if future is not None:
-            future.wait_for_device = self._wait_for_step
+            # Weakly: a future the caller keeps must not keep the driver, and so the workers, alive.
+            wait = weakref.WeakMethod(self._wait_for_step)
+            future.wait_for_device = lambda event: (wait() or torch.cuda.Event.synchronize)(event)
             self._unsent.append(future)
         return future
 
