@@ -35,6 +35,9 @@ _uses_nccl = False
 # RMSNorm's buffers (`enable_symmetric_all_reduce`).
 _symm_buffer: torch.Tensor | None = None
 _fused_all_reduce: FusedAllReduce | None = None
+# Whether this process has set up symmetric memory for a TP group before: torch cannot set it up for a
+# second group of the same name (a later engine in the same process; its rendezvous hangs).
+_symm_used = False
 
 
 def tp_world_size() -> int:
@@ -148,18 +151,22 @@ def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) 
     (`nanoinfer.kernels.all_reduce`, unless NANOINFER_FUSED_ALL_REDUCE=0), and other all-reduces
     (the embedding's) torch's one-shot kernel (~6 us for 8 KB against ~15 us for NCCL on two
     H200s, bench/allreduce.py). Every rank calls this, in the same order: the buffers'
-    rendezvous is collective, so the ranks first agree that all of them can. Larger all-reduces
-    (prefill) stay on NCCL. Returns whether it is on."""
-    global _symm_buffer, _fused_all_reduce
+    rendezvous is collective, so the ranks first agree that all of them can: not when torch
+    lacks it, nor in a process that set it up for an earlier engine (torch's rendezvous for a new
+    group under the same name never completes). Larger all-reduces (prefill) stay on NCCL.
+    Returns whether it is on."""
+    global _symm_buffer, _fused_all_reduce, _symm_used
     if not _uses_nccl or tp_world_size() == 1:
         return False
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError:
         symm_mem = None
-    if tp_min(int(symm_mem is not None)) == 0:
-        logger.info("torch symmetric memory is not available on every rank; all-reduces use NCCL")
+    if tp_min(int(symm_mem is not None and not _symm_used)) == 0:
+        logger.info("torch symmetric memory is not available on every rank (or a rank's process set it up "
+                    "for an earlier tensor-parallel engine, which torch cannot do twice); all-reduces use NCCL")
         return False
+    _symm_used = True
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD.group_name
     buffer = symm_mem.empty(max_rows * hidden, dtype=dtype, device=device)
