@@ -205,6 +205,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,  # the merge's split axis (>= num_splits, a power of two)
     DOT_PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -270,40 +271,39 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     if SPLIT:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        lse_rows = lse_ptr + token_row * stride_lt + head * stride_lh
-        tl.store(lse_rows + split, lse, mask=row_valid)
+        tl.store(lse_ptr + token_row * stride_lt + head * stride_lh + split, lse, mask=row_valid)
         # Every thread's stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival.
         tl.debug_barrier()
         counter = counter_ptr + seq * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1) == num_splits - 1:
-            _merge_splits(out_ptr + token_row * stride_ot + head * stride_oh, lse_rows, final_ptr, token_row, head,
-                          row_valid, num_splits, stride_os, stride_ft, stride_fh, BLOCK_M, HEAD_DIM)
+            _merge_splits(out_ptr, lse_ptr, final_ptr, q_start.to(tl.int64), kv_head * QUERY_GROUP, num_splits,
+                          stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh, QUERY_GROUP,
+                          HEAD_DIM, MAX_SPLITS)
             tl.store(counter, 0)
 
 
 @triton.jit
-def _merge_splits(partial_rows, lse_rows, final_ptr, token_row, head, row_valid, num_splits, stride_os,
-                  stride_ft, stride_fh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The last split of a (sequence, KV head): combine every split's normalised output,
-    weighted by exp2(lse - running max); empty splits (lse -inf) weigh nothing. Reads go to
-    L2 (.cg): other programs wrote them."""
+def _merge_splits(partial_ptr, lse_ptr, final_ptr, token_row, first_head, num_splits, stride_ot, stride_oh,
+                  stride_os, stride_lt, stride_lh, stride_ft, stride_fh, QUERY_GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """The last split of a (token, KV head) to finish: for each of its query heads, combine every
+    split's normalised output weighted by exp2(lse - max lse) (empty splits: lse -inf, weight 0).
+    All splits load at once (one L2 round trip per head, not one per split); .cg: other programs
+    wrote them."""
+    splits = tl.arange(0, MAX_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
-    m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(lse_rows + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(partial_rows[:, None] + s * stride_os + dims[None, :], mask=row_valid[:, None], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m_new))
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        total = total * alpha + weight
-        m = m_new
-    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(final_ptr + token_row[:, None] * stride_ft + head[:, None] * stride_fh + dims[None, :],
-             out.to(final_ptr.dtype.element_ty), mask=row_valid[:, None])
+    valid = splits < num_splits
+    for g in tl.static_range(QUERY_GROUP):
+        head = first_head + g
+        lse = tl.load(lse_ptr + token_row * stride_lt + head * stride_lh + splits, mask=valid, other=float("-inf"),
+                      cache_modifier=".cg")
+        lse_max = tl.max(lse, 0)
+        weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+        total = tl.sum(weight, 0)
+        partial = tl.load(partial_ptr + token_row * stride_ot + head * stride_oh + splits[:, None] * stride_os
+                          + dims[None, :], mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+        tl.store(final_ptr + token_row * stride_ft + head * stride_fh + dims, out.to(final_ptr.dtype.element_ty))
 
 
 def _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
@@ -402,6 +402,7 @@ def paged_attention(
         BLOCK_N=config.block_n,
         DECODE=config.decode,
         SPLIT=split,
+        MAX_SPLITS=max(_MAX_SPLITS, triton.next_power_of_2(config.num_splits)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,
