@@ -286,3 +286,32 @@ def test_cpu_engine_imports_without_triton():
             "print('imported')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "imported" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_tp_norms_sum_partial_outputs_in_alternating_slots(tmp_path, monkeypatch):
+    """Under TP the norm after each row-parallel layer sums that layer's partial output (fused with
+    the add + norm on GPUs). The fused kernel double-buffers, so consecutive calls must alternate
+    its two slots, within a forward and across forwards: here a stand-in kernel records the slots
+    of two forwards (2 per layer each), and returns what the unfused path computes, so the
+    logits still match HF."""
+    from nanoinfer.layers import layernorm
+
+    hf = save_tiny_model(tmp_path, Qwen3Config, None)
+    hf_config = get_hf_config(tmp_path)
+    model = load_model(str(tmp_path), hf_config, "safetensors", torch.float32, torch.device("cpu"))
+    slots: list[int] = []
+
+    class RecordingKernel:
+        def fits(self, x: torch.Tensor) -> bool:
+            return True
+
+        def __call__(self, partial, residual, weight, eps, slot):
+            slots.append(slot)
+            return layernorm.add_rms_norm(partial, residual, weight, eps)  # the sum over one rank is itself
+
+    monkeypatch.setattr(layernorm, "tp_world_size", lambda: 2)
+    monkeypatch.setattr(layernorm, "fused_all_reduce", lambda: RecordingKernel())
+    prompts, decode_tokens = random_prompts(hf_config.vocab_size)
+    prefill, decode = prefill_and_decode(model, hf_config, prompts, decode_tokens)
+    assert slots == [0, 1] * (2 * hf_config.num_hidden_layers)
+    assert_matches_hf(hf, prompts, decode_tokens, prefill, decode)

@@ -36,7 +36,7 @@ class TritonAttentionBackend:
             max_query_len=metadata.max_query_len,
             num_seqs=metadata.num_seqs,
             max_seq_len=metadata.max_seq_len,
-            num_sms=num_sms(query.device)  # steers decode splitting,
+            num_sms=num_sms(query.device),  # steers decode splitting
         )
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
