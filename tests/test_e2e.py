@@ -195,3 +195,23 @@ def test_output_kinds(smol: LLM) -> None:
         lengths = [len(o.outputs[index].token_ids) for o in cumulative]
         assert lengths == sorted(lengths)
     assert final[0].outputs[0].text != final[0].outputs[1].text  # seeded per child: two samples
+
+
+def test_dropped_engines_are_freed(smollm2_path) -> None:
+    """The first engine of a process freezes the start-up heap out of the garbage collector's
+    view (full collections during a run stay short); engines themselves, and any created later,
+    remain collectable: a dropped LLM is freed."""
+    import gc
+    import weakref
+
+    from nanoinfer.engine import core
+
+    first = LLM(smollm2_path, device="cpu", kv_cache_memory_bytes=1 << 24)
+    assert core._heap_frozen and gc.get_freeze_count() > 0
+    frozen = gc.get_freeze_count()
+    second = LLM(smollm2_path, device="cpu", kv_cache_memory_bytes=1 << 24)
+    assert gc.get_freeze_count() == frozen  # not again: the first engine stays collectable
+    refs = [weakref.ref(first.engine.core), weakref.ref(second.engine.core)]
+    del first, second
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -36,6 +36,21 @@ def resolve_device_and_dtype(config: EngineConfig, hf_config) -> tuple[torch.dev
     return device, model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+_heap_frozen = False
+
+
+def _freeze_startup_heap() -> None:
+    """What the process holds before its first engine (torch, transformers: ~4 x 10^5 objects) is
+    not garbage: take it out of the collector's view, so that each full collection during a run
+    (the requests' token lists trigger them) does not walk it again (~0.1-0.2 s each). Once per
+    process: engines themselves stay collectable (a dropped engine, cycles included, must be freed)."""
+    global _heap_frozen
+    if not _heap_frozen:
+        gc.collect()
+        gc.freeze()
+        _heap_frozen = True
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -50,12 +65,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         from nanoinfer.model_runner.model_runner import start_model_runner
 
-        # What the process holds before the engine (torch, transformers: ~4 x 10^5 objects) is
-        # not garbage: take it out of the collector's view, so that each full collection during
-        # a run (the requests' token lists trigger them) does not walk it again (~0.1-0.2 s each).
-        # The engine's own objects stay collectable (a dropped engine must be freed).
-        gc.collect()
-        gc.freeze()
+        _freeze_startup_heap()
         self.config = config
         self.source = source or resolve_model(config)
         hf_config = self.source.hf_config
