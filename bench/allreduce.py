@@ -1,14 +1,14 @@
-"""All-reduce latency on 2+ GPUs at the sizes a TP decode step sends (batch x hidden, bf16):
-NCCL (what the engine uses) against torch's symmetric-memory one-shot all-reduce, each timed
-inside a CUDA graph of many calls, as a decode step replays them. Decides whether the
-symmetric-memory path is worth building (bench/NOTES.md, TP section).
+"""All-reduce latency on 2+ GPUs at the sizes a TP decode step sends (batch x hidden, bf16),
+each timed inside a CUDA graph of many calls, as a decode step replays them: NCCL, torch's
+symmetric-memory one-shot all-reduce (the engine's path for the embedding), and what follows a
+row-parallel layer: one-shot + compiled add + RMSNorm against our fused kernel
+(kernels/all_reduce.py, the engine's path). bench/NOTES.md, TP section.
     python bench/allreduce.py [--world-size 2] [--hidden 4096]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
@@ -39,44 +39,45 @@ def graph_us(fn) -> float:
 
 
 def worker(rank: int, world: int, hidden: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    group = dist.group.WORLD.group_name
-    rows_list = (1, 8, 64, 256)
-    symm = None
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
+    from nanoinfer.distributed import parallel_state as ps
+    from nanoinfer.layers.fusion import set_fusion
+    from nanoinfer.layers.layernorm import add_rms_norm
 
-        symm = symm_mem.empty(max(rows_list) * hidden, dtype=torch.bfloat16, device=f"cuda:{rank}")
-        symm_mem.rendezvous(symm, group)
-    except Exception as exc:  # report and go on with NCCL only
-        if rank == 0:
-            print(f"symmetric memory unavailable: {type(exc).__name__}: {exc}")
-        symm = None
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
+    ps.init_tensor_parallel(rank, world, rank, store)  # as the engine's ranks do
+    rows_list = (1, 8, 64, 256)
+    symm = ps.enable_symmetric_all_reduce(max(rows_list), hidden, torch.bfloat16)
+    fused = ps.fused_all_reduce()
+    set_fusion(True)  # add + RMSNorm compiled, as on the engine's GPU path
+    weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
     for rows in rows_list:
+        torch.manual_seed(rank)
         x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        residual = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
         nccl = graph_us(lambda: dist.all_reduce(x))
         line = f"rows {rows:4d} ({rows * hidden * 2 / 1024:.0f} KB): NCCL {nccl:6.1f} us"
-        if symm is not None:
-            buf = symm[: rows * hidden]
-            torch.manual_seed(rank)
-            local = torch.randn(rows * hidden, dtype=torch.bfloat16, device="cuda")
-            buf.copy_(local)
-            want = local.clone()
+        if symm:
+            want = x.clone()
             dist.all_reduce(want)
-            try:
-                got = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)
-                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                one_shot = graph_us(lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group))
-                copy_in = graph_us(lambda: buf.copy_(local))
-                line += f", symm one-shot {one_shot:6.1f} us (+ copy in {copy_in:4.1f} us), rel err {err:.1e}"
-            except Exception as exc:
-                line += f", symm one-shot failed: {type(exc).__name__}: {str(exc)[:200]}"
+            err = ((ps.tp_all_reduce(x).float() - want.float()).norm() / want.float().norm()).item()
+            one_shot = graph_us(lambda: ps.tp_all_reduce(x))  # copy into the buffer + torch's one-shot kernel
+            line += f", symm one-shot (with its copy in) {one_shot:6.1f} us (rel err {err:.1e})"
+        if fused is not None:
+            slot = [0]
+
+            def fused_call():
+                slot[0] ^= 1  # consecutive calls alternate buffers, as the decoder's norms do
+                return fused(x, residual, weight, 1e-6, slot[0])
+
+            unfused = graph_us(lambda: add_rms_norm(ps.tp_all_reduce(x), residual, weight, 1e-6))
+            fused_us = graph_us(fused_call)
+            diff = (fused_call()[0].float() - add_rms_norm(want, residual, weight, 1e-6)[0].float()).abs().max().item()
+            line += (f"; + add + RMSNorm: one-shot then compiled {unfused:6.1f} us, fused kernel {fused_us:6.1f} us "
+                     f"(max abs diff {diff:.1e})")
         if rank == 0:
             print(line, flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    ps.destroy_tensor_parallel()
 
 
 def main() -> None:
