@@ -80,8 +80,9 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 class FusedAllReduce:
-    """The symmetric buffers and flags of `all_reduce_add_rms_norm`; built on every rank, in the
-    same order (`get` is collective). `max_rows` x `hidden` is the largest input it takes."""
+    """The fused kernel with its symmetric buffers and flags; `parallel_state.enable_symmetric_all_reduce`
+    builds one on every rank (the buffers' rendezvous is collective). `max_rows` x `hidden` is the
+    largest input it takes."""
 
     SLOTS = 2
 
