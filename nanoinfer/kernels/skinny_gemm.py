@@ -31,16 +31,17 @@ Design:
   split launch is still one kernel: no zero-fill, no second reduction kernel,
   no fp32-to-bf16 cast kernel. The counters are `arrival_counters`, shared
   with split-KV attention.
-* Launch parameters come from `choose_config(M, N, K, num_sms, dtype)`, a
-  pure function of host ints (no autotuning: it would re-tune inside CUDA
-  graph capture). `bench/kernels.py --gemm` sweeps the alternatives.
+* Launch parameters are pure functions of host ints: `choose_config(M, N, K,
+  num_sms, dtype)`, the heuristic, and `candidate_configs`, the few configs
+  the start-up tuning times per shape (no Triton autotuning: it would re-tune
+  inside CUDA graph capture). `bench/kernels.py --gemm` sweeps the alternatives.
 
 Dispatch (layers/skinny_dispatch.py, free of triton): `linear(x, weight, bias)` is what the
 model's linear layers call. It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
 without enforce_eager), x is 2-D on CUDA with 1 <= M <= 16, and the choice
-table says the kernel beat cuBLAS for this (M bucket, N, K, dtype); the table
-is filled once at start-up by `tune_skinny_gemm`, which times both inside
-CUDA graphs. Everything else (CPU, prefill, large batches) is `F.linear`.
+table holds a config for this (M bucket, N, K, dtype): the fastest candidate, where it beat
+cuBLAS. `tune_skinny_gemm` fills the table once at start-up, timing inside CUDA graphs.
+Everything else (CPU, prefill, large batches) is `F.linear`.
 """
 
 from __future__ import annotations
@@ -97,16 +98,30 @@ class SkinnyConfig:
         return triton.cdiv(N, self.block_n), self.split_k
 
 
+def _has_empty_split(split: int, k_steps: int) -> bool:
+    """Whether cutting k_steps K steps into `split` whole-step ranges leaves the last one empty."""
+    return (split - 1) * triton.cdiv(k_steps, split) >= k_steps
+
+
 def _fill_split(tiles: int, k_steps: int, num_sms: int) -> int:
     """The smallest power-of-two split giving at least one program per SM, while every split keeps
     at least one K step (no empty split)."""
     split = 1
-    while tiles * split < num_sms and split < _MAX_SPLIT_K:
-        candidate = 2 * split
-        if (candidate - 1) * triton.cdiv(k_steps, candidate) >= k_steps:  # the last split would be empty
-            break
-        split = candidate
+    while tiles * split < num_sms and split < _MAX_SPLIT_K and not _has_empty_split(2 * split, k_steps):
+        split *= 2
     return split
+
+
+def _config(block_n: int, block_k: int, split: int, k_steps: int) -> SkinnyConfig:
+    """num_stages: up to _MAX_STAGES tiles in flight per program, fewer when a split has fewer
+    steps (less shared memory, more programs resident per SM)."""
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=_NUM_WARPS,
+                        num_stages=max(2, min(_MAX_STAGES, triton.cdiv(k_steps, split) + 1)))
+
+
+def _block_k(row_bytes: int, K: int, dtype: torch.dtype) -> int:
+    """K per step: `row_bytes` of each weight row, clamped to K (and at least tl.dot's 16)."""
+    return max(16, min(row_bytes // torch.empty((), dtype=dtype).element_size(), triton.next_power_of_2(K)))
 
 
 def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
@@ -125,20 +140,10 @@ def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = tor
         raise ValueError(f"skinny GEMM is for 1 <= M <= {MAX_M} rows, got M={M}")
     if N < 1 or K < 1:
         raise ValueError(f"N and K must be positive, got N={N}, K={K}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    block_k = max(16, min(_ROW_BYTES_PER_STEP // itemsize, triton.next_power_of_2(K)))
+    block_k = _block_k(_ROW_BYTES_PER_STEP, K, dtype)
     block_n = min(16 if M <= 8 else 32, max(16, triton.next_power_of_2(N)))
     tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
-    split = _fill_split(tiles, k_steps, num_sms)
-    steps_per_split = triton.cdiv(k_steps, split)
-    return SkinnyConfig(
-        block_n=block_n,
-        block_k=block_k,
-        split_k=split,
-        num_warps=_NUM_WARPS,
-        num_stages=max(2, min(_MAX_STAGES, steps_per_split + 1)),
-    )
-
+    return _config(block_n, block_k, _fill_split(tiles, k_steps, num_sms), k_steps)
 
 
 def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> list[SkinnyConfig]:
@@ -147,18 +152,14 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype =
     won every Qwen3-8B TP=2 shape in the sweep (`bench/kernels.py --gemm`, bench/NOTES.md) by 5-28%
     over the heuristic, which still wins the small 0.6B shapes; the right split varies per shape."""
     base = choose_config(M, N, K, num_sms, dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     block_n = max(base.block_n, min(32, max(16, triton.next_power_of_2(N))))
-    block_k = max(16, min(_ROW_BYTES_PER_STEP // 2 // itemsize, triton.next_power_of_2(K)))
+    block_k = _block_k(_ROW_BYTES_PER_STEP // 2, K, dtype)
     tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
     split = _fill_split(tiles, k_steps, num_sms)
     configs = [base]
     for s in (split, 2 * split):
-        if s > 1 and (s - 1) * triton.cdiv(k_steps, s) >= k_steps:  # the last split would be empty
-            continue
-        config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=s, num_warps=_NUM_WARPS,
-                              num_stages=max(2, min(_MAX_STAGES, triton.cdiv(k_steps, s) + 1)))
-        if config not in configs:
+        config = _config(block_n, block_k, s, k_steps)
+        if not _has_empty_split(s, k_steps) and config not in configs:
             configs.append(config)
     return configs
 
