@@ -1,8 +1,8 @@
 """All-reduce latency on 2+ GPUs at the sizes a TP decode step sends (batch x hidden, bf16),
 each timed inside a CUDA graph of many calls, as a decode step replays them: NCCL, torch's
-symmetric-memory one-shot all-reduce (the engine's path for the embedding), and what follows a
-row-parallel layer: one-shot + compiled add + RMSNorm against our fused kernel
-(kernels/all_reduce.py, the engine's path). bench/NOTES.md, TP section.
+symmetric-memory one-shot all-reduce, and what follows a row-parallel layer: NCCL or one-shot,
+then compiled add + RMSNorm, against our fused kernel (kernels/all_reduce.py, the engine's
+path). bench/NOTES.md, TP section.
     python bench/allreduce.py [--world-size 2] [--hidden 4096]
 """
 
@@ -39,6 +39,8 @@ def graph_us(fn) -> float:
 
 
 def worker(rank: int, world: int, hidden: int, port: int) -> None:
+    import torch.distributed._symmetric_memory as symm_mem
+
     from nanoinfer.distributed import parallel_state as ps
     from nanoinfer.layers.fusion import set_fusion
     from nanoinfer.layers.layernorm import add_rms_norm
@@ -46,38 +48,54 @@ def worker(rank: int, world: int, hidden: int, port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     ps.init_tensor_parallel(rank, world, rank, store)  # as the engine's ranks do
     rows_list = (1, 8, 64, 256)
-    symm = ps.enable_symmetric_all_reduce(max(rows_list), hidden, torch.bfloat16)
+    ps.enable_symmetric_all_reduce(max(rows_list), hidden, torch.bfloat16)
     fused = ps.fused_all_reduce()
+    staging = symm_mem.empty(max(rows_list) * hidden, dtype=torch.bfloat16, device="cuda")
+    symm_mem.rendezvous(staging, dist.group.WORLD.group_name)
     set_fusion(True)  # add + RMSNorm compiled, as on the engine's GPU path
     weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def one_shot(x: torch.Tensor) -> torch.Tensor:
+        """Copy into the symmetric buffer, then torch's one-shot all-reduce kernel."""
+        staging[: x.numel()].copy_(x.reshape(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(staging[: x.numel()], "sum",
+                                                      dist.group.WORLD.group_name).view(x.shape)
+
     for rows in rows_list:
         torch.manual_seed(rank)
         x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
         residual = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        nccl = graph_us(lambda: dist.all_reduce(x))
-        line = f"rows {rows:4d} ({rows * hidden * 2 / 1024:.0f} KB): NCCL {nccl:6.1f} us"
-        if symm:
-            want = x.clone()
-            dist.all_reduce(want)
-            err = ((ps.tp_all_reduce(x).float() - want.float()).norm() / want.float().norm()).item()
-            one_shot = graph_us(lambda: ps.tp_all_reduce(x))  # copy into the buffer + torch's one-shot kernel
-            line += f", symm one-shot (with its copy in) {one_shot:6.1f} us (rel err {err:.1e})"
+        want = x.clone()
+        dist.all_reduce(want)
+        scratch = x.clone()  # NCCL sums in place: time it on a copy (repeated sums overflow, harmlessly)
+        nccl = graph_us(lambda: dist.all_reduce(scratch))
+        err = ((one_shot(x).float() - want.float()).norm() / want.float().norm()).item()
+        line = (f"rows {rows:4d} ({rows * hidden * 2 / 1024:.0f} KB): NCCL {nccl:6.1f} us, symm one-shot (with its "
+                f"copy in) {graph_us(lambda: one_shot(x)):6.1f} us (rel err {err:.1e})")
+        unfused = graph_us(lambda: add_rms_norm(one_shot(x), residual, weight, 1e-6))
+        nccl_norm = graph_us(lambda: add_rms_norm(_reduced(scratch), residual, weight, 1e-6))
+        line += f"; + add + RMSNorm: NCCL then compiled {nccl_norm:6.1f} us, one-shot then compiled {unfused:6.1f} us"
         if fused is not None:
             slot = [0]
 
             def fused_call():
-                slot[0] ^= 1  # consecutive calls alternate buffers, as the decoder's norms do
+                slot[0] = (slot[0] + 1) % fused.SLOTS  # consecutive calls use different slots, as the decoder's norms do
                 return fused(x, residual, weight, 1e-6, slot[0])
 
-            unfused = graph_us(lambda: add_rms_norm(ps.tp_all_reduce(x), residual, weight, 1e-6))
             fused_us = graph_us(fused_call)
-            diff = (fused_call()[0].float() - add_rms_norm(want, residual, weight, 1e-6)[0].float()).abs().max().item()
-            line += (f"; + add + RMSNorm: one-shot then compiled {unfused:6.1f} us, fused kernel {fused_us:6.1f} us "
-                     f"(max abs diff {diff:.1e})")
+            got, want_normed = fused_call(), add_rms_norm(want, residual, weight, 1e-6)
+            same = torch.equal(got[1], want_normed[1])
+            diff = (got[0].float() - want_normed[0].float()).abs().max().item()
+            line += f", fused kernel {fused_us:6.1f} us (residual bit-identical: {same}, max abs diff {diff:.1e})"
         if rank == 0:
             print(line, flush=True)
     dist.barrier()
     ps.destroy_tensor_parallel()
+
+
+def _reduced(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """The fused all-reduce + residual add + RMSNorm kernel (nanoinfer.kernels.all_reduce) on one
-device, playing rank 0 of a group whose peers have already arrived: their partial rows sit
-in their buffers and their flags are raised in rank 0's flag array. Checks the math against
-the PyTorch path (all-reduce, then `add_rms_norm`) and the flag protocol: rank 0 takes its
-peers' flags and raises its own in theirs. Two real GPUs: tests/gpu/test_tp_gpu.py.
+device, playing rank 0 of a group whose peers have already arrived: their partial rows sit in
+their regions of rank 0's buffer and their flags in rank 0's flag array show this call's epoch.
+Checks the math against the PyTorch path (all-reduce, then `add_rms_norm`) and the protocol:
+rank 0 pushes its rows into its region of every peer's buffer and raises its flag there to the
+epoch, per program (a chunk of rows), and counts the epochs per slot. Two real GPUs:
+tests/gpu/test_tp_gpu.py.
 
 On CPU the kernel runs in Triton's interpreter, in a child pytest (tests/triton_child.py);
 the interpreter mishandles bfloat16 behind raw pointers, so bfloat16 runs on the GPU only.
@@ -19,6 +21,7 @@ from nanoinfer.layers.layernorm import rms_norm_math
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 MAX_ROWS = 8
+MAX_PROGRAMS = 4  # below MAX_ROWS, so that 8 rows take two per program
 
 test_cpu_interpreter_child = interpreter_child(__file__)
 
@@ -26,31 +29,42 @@ test_cpu_interpreter_child = interpreter_child(__file__)
 @kernel_test
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("rows,hidden,slot", [(1, 64, 0), (3, 96, 1), (MAX_ROWS, 200, 1)])
-def test_rank0_with_peers_arrived(dtype: torch.dtype, world: int, rows: int, hidden: int, slot: int) -> None:
+@pytest.mark.parametrize("rows,hidden,slot,residual", [(1, 64, 0, True), (3, 96, 1, True), (MAX_ROWS, 200, 2, False)])
+def test_rank0_with_peers_arrived(monkeypatch, dtype: torch.dtype, world: int, rows: int, hidden: int, slot: int,
+                                  residual: bool) -> None:
     from nanoinfer.kernels.all_reduce import FusedAllReduce
 
-    torch.manual_seed(rows * hidden + world)
-    buffers = [torch.zeros(FusedAllReduce.SLOTS, MAX_ROWS, hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
-    flags = [torch.zeros(MAX_ROWS, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
-    partials = [torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(world)]
-    for peer in range(1, world):
-        buffers[peer][slot, :rows] = partials[peer]
-        flags[0][:rows, peer] = 1
-    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    monkeypatch.setattr(FusedAllReduce, "MAX_PROGRAMS", MAX_PROGRAMS)
+    slots = FusedAllReduce.SLOTS
+    programs = -(-rows // -(-rows // MAX_PROGRAMS))
+    buffers = [torch.zeros(slots, world, MAX_ROWS, hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
+    flags = [torch.zeros(slots, MAX_PROGRAMS, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
     weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
     kernel = FusedAllReduce(buffers, flags, 0, MAX_ROWS, hidden)
-    assert kernel.fits(partials[0]) and not kernel.fits(torch.zeros(MAX_ROWS + 1, hidden, dtype=dtype))
+    assert not kernel.fits(torch.zeros(MAX_ROWS + 1, hidden, dtype=dtype))
 
-    out, residual_out = kernel(partials[0], residual, weight, 1e-6, slot)
+    for epoch in (1, 2):  # the second call checks that the epochs count on
+        torch.manual_seed(rows * hidden + world + epoch)
+        partials = [torch.randn(rows, hidden, device=DEVICE).to(dtype) for _ in range(world)]
+        for peer in range(1, world):
+            buffers[0][slot, peer, :rows] = partials[peer]  # what the peers pushed
+            flags[0][slot, :programs, peer] = epoch
+        res = torch.randn(rows, hidden, device=DEVICE).to(dtype) if residual else None
+        assert kernel.fits(partials[0])
 
-    summed = sum(p.float() for p in partials).to(dtype)  # what an all-reduce hands back
-    want_residual = summed + residual
-    assert torch.equal(residual_out, want_residual)
-    torch.testing.assert_close(out, rms_norm_math(want_residual, weight, 1e-6), rtol=1e-2 if dtype != torch.float32 else 1e-5,
-                               atol=1e-2 if dtype != torch.float32 else 1e-5)
-    assert torch.equal(buffers[0][slot, :rows], partials[0])  # our row, for the peers to read
-    assert not buffers[0][1 - slot].any()  # the other slot is untouched
-    assert not flags[0].any()  # the peers' flags, taken
-    for peer in range(1, world):
-        assert flags[peer][:rows, 0].eq(1).all() and not flags[peer][rows:].any()  # ours, raised
+        out, residual_out = kernel(partials[0], res, weight, 1e-6, slot)
+
+        summed = sum(p.float() for p in partials).to(dtype)  # what an all-reduce hands back
+        want_residual = summed + res if residual else summed
+        assert torch.equal(residual_out, want_residual)
+        tol = 1e-2 if dtype != torch.float32 else 1e-5
+        torch.testing.assert_close(out, rms_norm_math(want_residual, weight, 1e-6), rtol=tol, atol=tol)
+        for peer in range(1, world):
+            assert torch.equal(buffers[peer][slot, 0, :rows], partials[0])  # our rows, pushed to the peer
+            assert flags[peer][slot, :programs, 0].eq(epoch).all()  # our flags there, raised to the epoch
+            assert not flags[peer][slot, programs:].any() and not flags[peer][slot, :, 1:].any()
+        assert kernel.epochs[slot, :programs].eq(epoch).all() and not kernel.epochs[slot, programs:].any()
+        for other in range(slots):
+            if other != slot:  # other slots untouched
+                assert not kernel.epochs[other].any()
+                assert all(not b[other].any() for b in buffers[1:]) and all(not f[other].any() for f in flags)

@@ -289,11 +289,11 @@ def test_cpu_engine_imports_without_triton():
 
 
 def test_tp_norms_sum_partial_outputs_in_alternating_slots(tmp_path, monkeypatch):
-    """Under TP the norm after each row-parallel layer sums that layer's partial output (fused with
-    the add + norm on GPUs). The fused kernel double-buffers, so consecutive calls must alternate
-    its two slots, within a forward and across forwards: here a stand-in kernel records the slots
-    of two forwards (2 per layer each), and returns what the unfused path computes, so the
-    logits still match HF."""
+    """Under TP the norm after each row-parallel layer, and the first layer's after the vocab-parallel
+    embedding, sums that layer's partial output (fused with the add + norm on GPUs). The fused
+    kernel buffers per slot, so consecutive calls must use different slots, within a forward and
+    across forwards: here a stand-in kernel records the slots of two forwards (2 per layer + the
+    final norm each), and returns what the unfused path computes, so the logits still match HF."""
     from nanoinfer.layers import layernorm
 
     hf = save_tiny_model(tmp_path, Qwen3Config, None)
@@ -307,11 +307,15 @@ def test_tp_norms_sum_partial_outputs_in_alternating_slots(tmp_path, monkeypatch
 
         def __call__(self, partial, residual, weight, eps, slot):
             slots.append(slot)
-            return layernorm.add_rms_norm(partial, residual, weight, eps)  # the sum over one rank is itself
+            if residual is None:  # the first layer's: the embedding, no residual stream yet
+                return layernorm.rms_norm(partial, weight, eps), partial  # the sum over one rank is itself
+            return layernorm.add_rms_norm(partial, residual, weight, eps)
 
     monkeypatch.setattr(layernorm, "tp_world_size", lambda: 2)
     monkeypatch.setattr(layernorm, "fused_all_reduce", lambda: RecordingKernel())
     prompts, decode_tokens = random_prompts(hf_config.vocab_size)
     prefill, decode = prefill_and_decode(model, hf_config, prompts, decode_tokens)
-    assert slots == [0, 1] * (2 * hf_config.num_hidden_layers)
+    forward = [2] + [0, 1] * hf_config.num_hidden_layers  # the final norm is the last 1
+    assert slots == forward * 2
+    assert all(a != b for a, b in zip(slots, slots[1:]))
     assert_matches_hf(hf, prompts, decode_tokens, prefill, decode)

@@ -31,9 +31,7 @@ LEAVE_TIMEOUT_S = 60.0
 
 _control_group: dist.ProcessGroup | None = None
 _uses_nccl = False
-# Staging buffer in torch symmetric memory for small all-reduces, and the fused all-reduce + add +
-# RMSNorm's buffers (`enable_symmetric_all_reduce`).
-_symm_buffer: torch.Tensor | None = None
+# The fused all-reduce + add + RMSNorm's kernel and buffers (`enable_symmetric_all_reduce`).
 _fused_all_reduce: FusedAllReduce | None = None
 # Whether this process has set up symmetric memory for a TP group before: torch cannot set it up for a
 # second group of the same name (a later engine in the same process; its rendezvous hangs).
@@ -100,10 +98,10 @@ def destroy_tensor_parallel(timeout_s: float = LEAVE_TIMEOUT_S) -> None:
     died), so it can hang; an abort is local. gloo-only (CPU) groups are destroyed normally. It runs
     in a thread given `timeout_s`, so that a stuck NCCL call cannot hang the engine's shutdown (the
     group is then left as it is and logged)."""
-    global _control_group, _uses_nccl, _symm_buffer, _fused_all_reduce
+    global _control_group, _uses_nccl, _fused_all_reduce
     if not dist.is_initialized():
         return
-    _symm_buffer = _fused_all_reduce = None
+    _fused_all_reduce = None
     leave = threading.Thread(target=_leave_groups, args=(_uses_nccl,), name="nanoinfer-tp-leave", daemon=True)
     try:
         leave.start()
@@ -145,18 +143,17 @@ def tp_min(value: int) -> int:
 
 
 def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) -> bool:
-    """Route all-reduces of up to `max_rows` x `hidden` elements of `dtype` (a decode step's
-    row-parallel outputs) through torch symmetric memory, where peers read each other's buffers
-    over NVLink: the decoder's all-reduce + residual add + RMSNorm become one Triton kernel
-    (`nanoinfer.kernels.all_reduce`, unless NANOINFER_FUSED_ALL_REDUCE=0), and other all-reduces
-    (the embedding's) torch's one-shot kernel (~6 us for 8 KB against ~15 us for NCCL on two
-    H200s, bench/allreduce.py). Every rank calls this, in the same order: the buffers'
-    rendezvous is collective, so the ranks first agree that all of them can: not when torch
-    lacks it, nor in a process that set it up for an earlier engine (torch's rendezvous for a new
-    group under the same name never completes). Larger all-reduces (prefill) stay on NCCL.
-    Returns whether it is on."""
-    global _symm_buffer, _fused_all_reduce, _symm_used
-    if not _uses_nccl or tp_world_size() == 1:
+    """Sum the decoder's row-parallel outputs of up to `max_rows` x `hidden` elements of `dtype`
+    (a decode step's) in our Triton kernel that also adds the residual and normalises
+    (`nanoinfer.kernels.all_reduce`; ~3x faster than NCCL at batch 1 on two H200s,
+    bench/allreduce.py), over buffers in torch symmetric memory that peers write over NVLink.
+    NANOINFER_FUSED_ALL_REDUCE=0 keeps NCCL. Every rank calls this, in the same order: the buffers'
+    rendezvous is collective, so the ranks first agree that all of them can: not when torch lacks
+    it, nor in a process that set it up for an earlier engine (torch's rendezvous for a new group
+    under the same name never completes). Larger inputs (prefill) stay on NCCL. Returns whether
+    it is on."""
+    global _fused_all_reduce, _symm_used
+    if not _uses_nccl or tp_world_size() == 1 or os.environ.get("NANOINFER_FUSED_ALL_REDUCE", "1") == "0":
         return False
     try:
         import torch.distributed._symmetric_memory as symm_mem
@@ -167,27 +164,24 @@ def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) 
                     "for an earlier tensor-parallel engine, which torch cannot do twice); all-reduces use NCCL")
         return False
     _symm_used = True
+    from nanoinfer.kernels.all_reduce import FusedAllReduce
+
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD.group_name
-    buffer = symm_mem.empty(max_rows * hidden, dtype=dtype, device=device)
-    symm_mem.rendezvous(buffer, group)
-    _symm_buffer = buffer
-    if os.environ.get("NANOINFER_FUSED_ALL_REDUCE", "1") != "0":
-        from nanoinfer.kernels.all_reduce import FusedAllReduce
-
-        shape, world = (FusedAllReduce.SLOTS, max_rows, hidden), tp_world_size()
-        data = symm_mem.empty(shape, dtype=dtype, device=device)
-        data_handle = symm_mem.rendezvous(data, group)
-        flags = symm_mem.empty((max_rows, world), dtype=torch.int32, device=device)
-        flags.zero_()
-        flag_handle = symm_mem.rendezvous(flags, group)
-        torch.cuda.synchronize()
-        dist.barrier(group=control_group())  # every rank's flags are zero before any rank raises one
-        rank = tp_rank()
-        _fused_all_reduce = FusedAllReduce(
-            [data if r == rank else data_handle.get_buffer(r, shape, dtype) for r in range(world)],
-            [flags if r == rank else flag_handle.get_buffer(r, (max_rows, world), torch.int32) for r in range(world)],
-            rank, max_rows, hidden)
+    world, rank = tp_world_size(), tp_rank()
+    shape = (FusedAllReduce.SLOTS, world, max_rows, hidden)
+    data = symm_mem.empty(shape, dtype=dtype, device=device)
+    data_handle = symm_mem.rendezvous(data, group)
+    flag_shape = (FusedAllReduce.SLOTS, FusedAllReduce.MAX_PROGRAMS, world)
+    flags = symm_mem.empty(flag_shape, dtype=torch.int32, device=device)
+    flags.zero_()
+    flag_handle = symm_mem.rendezvous(flags, group)
+    torch.cuda.synchronize()
+    dist.barrier(group=control_group())  # every rank's flags are zero before any rank raises one
+    _fused_all_reduce = FusedAllReduce(
+        [data if r == rank else data_handle.get_buffer(r, shape, dtype) for r in range(world)],
+        [flags if r == rank else flag_handle.get_buffer(r, flag_shape, torch.int32) for r in range(world)],
+        rank, max_rows, hidden)
     return True
 
 
@@ -197,17 +191,9 @@ def fused_all_reduce() -> FusedAllReduce | None:
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the TP group (a row-parallel layer's partial outputs); returns the sum (`x`
-    itself, summed in place, on the NCCL path)."""
-    if tp_world_size() == 1:
-        return x
-    buffer = _symm_buffer
-    if buffer is not None and x.dtype == buffer.dtype and x.is_cuda and x.numel() <= buffer.numel() \
-            and (x.numel() * x.element_size()) % 16 == 0:  # the one-shot kernel's alignment
-        staged = buffer[: x.numel()]
-        staged.copy_(x.reshape(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", dist.group.WORLD.group_name).view(x.shape)
-    dist.all_reduce(x)
+    """Sum `x` over the TP group in place (NCCL on GPUs, gloo on CPUs) and return it."""
+    if tp_world_size() > 1:
+        dist.all_reduce(x)
     return x
 
 

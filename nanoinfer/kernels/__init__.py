@@ -38,3 +38,16 @@ def arrival_counters(device: torch.device, needed: int) -> torch.Tensor:
         buf = torch.zeros(max(_MIN_COUNTERS, needed), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
+
+
+@functools.cache
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether our kernels launch with programmatic dependent launch (PDL, Hopper and newer): the next
+    kernel in the stream is scheduled while this one finishes, and waits (`gdc_wait`) only before it
+    touches memory an earlier kernel wrote, so launch latency and ramp-up overlap the previous kernel's
+    tail. Off on the CPU interpreter, older GPUs, or with NANOINFER_PDL=0."""
+    import os
+
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NANOINFER_PDL") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels import arrival_counters
+from nanoinfer.kernels import arrival_counters, pdl_enabled
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -207,9 +207,12 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # the merge's split axis (>= num_splits, a power of two)
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the query and this step's K/V come from the previous kernel
     if DECODE:
         seq = tl.program_id(0)
         first_tok = 0
@@ -241,6 +244,12 @@ def _paged_attention_kernel(
     split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     kv_start = split * split_len
     kv_stop = tl.minimum(kv_start + split_len, kv_end)
+    if SPLIT:
+        # Splits are sized for the longest sequence of the launch (a CUDA graph's: max_model_len);
+        # a shorter context needs fewer. The rest leave at once and the merge reads only these.
+        num_splits = tl.maximum(tl.cdiv(kv_end, tl.maximum(split_len, 1)), 1)
+        if split >= num_splits:
+            return
 
     # A finite floor (not -inf) keeps fully masked rows free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -265,6 +274,8 @@ def _paged_attention_kernel(
         scale_log2, masked_start, kv_stop, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
     )
 
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch while we store and merge
     has_keys = l_i > 0.0  # false only for an empty split or a zero-length context
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_rows = token_row * stride_ot + head * stride_oh + split * stride_os
@@ -364,6 +375,7 @@ def paged_attention(
         counters = arrival_counters(query.device, num_seqs * num_kv_heads)
     else:
         lse, target, stride_os, lse_strides, counters = out, out, 0, (0, 0), out
+    pdl = pdl_enabled(query.device)
     if config.decode:
         grid = (num_seqs, num_kv_heads, config.num_splits)
     else:
@@ -404,7 +416,9 @@ def paged_attention(
         SPLIT=split,
         MAX_SPLITS=max(_MAX_SPLITS, triton.next_power_of_2(config.num_splits)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out

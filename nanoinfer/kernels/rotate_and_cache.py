@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoinfer.kernels import pdl_enabled
+
 
 @triton.jit
 def _rotate_and_cache_kernel(
@@ -47,9 +49,13 @@ def _rotate_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
+        tl.extra.cuda.gdc_launch_dependents()
     half = tl.arange(0, HEAD_DIM // 2)
     src = qkv_ptr + token * stride_qkv + head * HEAD_DIM  # q heads, then k heads, then v heads
     x1 = tl.load(src + half).to(tl.float32)
@@ -124,6 +130,7 @@ def rotate_and_cache(
     if num_tokens == 0:
         return query
     has_norm = q_norm_weight is not None
+    pdl = pdl_enabled(qkv.device)
     _rotate_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv,
         positions,
@@ -147,6 +154,8 @@ def rotate_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
+        USE_PDL=pdl,
         num_warps=1 if head_dim <= 128 else 2,
+        launch_pdl=pdl,
     )
     return query

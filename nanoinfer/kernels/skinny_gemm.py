@@ -60,7 +60,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels import arrival_counters, num_sms
+from nanoinfer.kernels import arrival_counters, num_sms, pdl_enabled
 from nanoinfer.layers import skinny_dispatch
 from nanoinfer.layers.skinny_dispatch import MAX_M
 
@@ -77,6 +77,7 @@ _ROW_BYTES_PER_STEP = 512  # weight bytes per row per K step: BLOCK_K = 256 for 
 _MAX_SPLIT_K = 16
 _MAX_STAGES = 4
 _NUM_WARPS = 4
+_EARLY_TRIGGER = os.environ.get("NANOINFER_EARLY_TRIGGER", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,8 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
+    USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -212,6 +215,10 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x comes from the previous kernel
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < K - k  # split ranges are whole steps: only the last step of K is partial
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -224,6 +231,8 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
+    if USE_PDL and not EARLY_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch while we store and reduce
     if SPLIT_K == 1:
         _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
     else:
@@ -290,6 +299,7 @@ def skinny_linear(
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    pdl = pdl_enabled(x.device)
     grid = config.grid(N)
     if config.split_k > 1:
         partial = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
@@ -306,8 +316,11 @@ def skinny_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
+        USE_PDL=pdl,
+        EARLY_TRIGGER=_EARLY_TRIGGER,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out
 

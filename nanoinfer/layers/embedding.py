@@ -9,14 +9,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_gather_last_dim_to_rank0, tp_rank, tp_world_size
+from nanoinfer.layers.fusion import fused
 from nanoinfer.layers.linear import copy_weight
 
 
+@fused
+def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_end: int) -> torch.Tensor:
+    """This rank's rows of the lookup: tokens outside [vocab_start, vocab_end) look up row 0 and
+    are zeroed, so the sum over ranks is the full lookup."""
+    mask = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    return F.embedding((input_ids - vocab_start) * mask, weight) * mask.unsqueeze(-1).to(weight.dtype)
+
+
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, reduce_results: bool = True) -> None:
+        """reduce_results=False: under TP, forward returns this rank's partial lookup and the caller
+        sums it over ranks (the decoder's first norm does, fused)."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.reduce_results = reduce_results
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
@@ -36,10 +48,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        # Tokens outside this rank's slice look up row 0 and are zeroed; the all-reduce fills them in.
-        mask = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        out = F.embedding((input_ids - self.vocab_start) * mask, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return tp_all_reduce(out)
+        partial = masked_embedding(input_ids, self.weight, self.vocab_start, self.vocab_end)
+        return tp_all_reduce(partial) if self.reduce_results else partial
 
 
 class ParallelLMHead(VocabParallelEmbedding):

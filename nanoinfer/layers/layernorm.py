@@ -1,9 +1,9 @@
 """RMSNorm that can also add the residual stream first, so each decoder layer
 does add+norm in one call and keeps the updated residual (nano-vLLM style).
 
-Under tensor parallelism the norms after row-parallel layers also do their
-all-reduce (`all_reduce_slot`): the layer hands over its partial output and the
-sum, the residual add and the norm run as one kernel on GPUs that allow it."""
+Under tensor parallelism the norms on the residual stream also do its all-reduce
+(`all_reduce_slot`): the layer before hands over its partial output and the sum,
+the residual add and the norm run as one kernel on GPUs that allow it."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, all_reduce_slot: int | None = None) -> None:
-        """all_reduce_slot: given, an `x` passed with a residual is a row-parallel layer's partial
-        output, summed over the TP ranks first. Norms that run one after the other alternate
-        slots 0 and 1 (the fused kernel's double buffering, see nanoinfer.kernels.all_reduce)."""
+        """all_reduce_slot: given, this norm sits on the residual stream after a layer whose output
+        is a partial sum over the TP ranks (row-parallel, or the vocab-parallel embedding): it sums
+        it first, fused with the add and the norm on GPUs that allow it. Consecutive such norms
+        must use different slots (the fused kernel's buffering, see nanoinfer.kernels.all_reduce)."""
         super().__init__()
         self.eps = eps
         self.all_reduce_slot = all_reduce_slot
@@ -43,12 +44,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalise `x` (or `x + residual`, returned as the new residual) over the last dim."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
+        """Normalise `x` over the last dim. Norms on the residual stream (given a residual, or an
+        all_reduce_slot) return (normalised, new residual stream = x + residual, x when None)."""
         if self.all_reduce_slot is not None and tp_world_size() > 1:
             kernel = fused_all_reduce()
             if kernel is not None and kernel.fits(x):
                 return kernel(x, residual, self.weight, self.eps, self.all_reduce_slot)
             x = tp_all_reduce(x)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            return add_rms_norm(x, residual, self.weight, self.eps)
+        normed = rms_norm(x, self.weight, self.eps)
+        return normed if self.all_reduce_slot is None else (normed, x)

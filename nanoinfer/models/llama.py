@@ -74,24 +74,23 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, first: bool = False) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
         self.mlp = LlamaMLP(config)
-        # Each sums the partial output before it (the MLP's, the attention's) over TP ranks.
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=1)
+        # Each sums the partial output before it over TP ranks: the previous layer's MLP (the first
+        # layer's: the embedding) and the attention. Consecutive all-reduces alternate slots 1, 0;
+        # the first layer's takes slot 2, as the final norm's (slot 1) comes right before it.
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=2 if first else 1)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=0)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns this layer's output (a partial sum over TP ranks) and the residual stream
-        *before* adding it: the next norm does the sum and the add, fused with normalisation."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        """Takes and returns a partial sum over TP ranks (the embedding's or the previous layer's
+        output) and the residual stream *before* adding it (None in the first layer): each norm
+        does the sum and the add, fused with normalisation."""
+        hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
@@ -100,11 +99,12 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, reduce_results=False)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, first=i == 0)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
