@@ -106,25 +106,6 @@ def test_non_contiguous_inputs():
                 assert rel_err(out, x, w, None) < REL_TOL[torch.float32]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [None, split_config(3, block_k=32)], ids=["default", "split3"])
-@kernel_test
-def test_silu_mul_input_matches_activation_then_matmul(config, dtype):
-    """silu_mul: x is [gate | up] (2K wide, here a column slice: strided) and the product's input
-    silu(gate) * up, as the MLP's activation followed by its down projection."""
-    from nanoinfer.layers.activation import silu_and_mul
-
-    M, N, K = 5, 40, 96
-    x, w, _ = make(M, N, 2 * K + 8, dtype, False, seed=4)
-    x = x[:, 4 : 2 * K + 4]
-    w = w[:, :K]
-    out = sg.skinny_linear(x, w, config=config, silu_mul=True)
-    assert out.shape == (M, N)
-    assert rel_err(out, silu_and_mul(x.float()).to(dtype), w, None) < REL_TOL[dtype]
-    with pytest.raises(ValueError, match="gate | up"):
-        sg.skinny_linear(x[:, :K], w, silu_mul=True)
-
-
 @kernel_test
 def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     """Forced on (the CPU interpreter stands in for the GPU): the layers' forward goes
@@ -148,14 +129,6 @@ def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     assert calls == [(3, 64), (3, 96)]
     torch.testing.assert_close(hidden, F.linear(x, col.weight, col.bias), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, F.linear(hidden, row.weight, row.bias), rtol=1e-5, atol=1e-5)
-    # The MLP's down projection: [gate | up] in, the activation fused into the kernel.
-    down = RowParallelLinear(48, 64, silu_mul_input=True).to(DEVICE)
-    down.weight.data.normal_()
-    monkeypatch.setitem(dispatch._choices, (4, 64, 48, torch.float32), split_config(1))
-    gated = down(hidden)
-    assert calls[-1] == (3, 96)
-    torch.testing.assert_close(gated, F.linear(F.silu(hidden[:, :48]) * hidden[:, 48:], down.weight),
-                               rtol=1e-5, atol=1e-5)
 
 
 # ----- input validation (raises before any launch: runs in the parent too) -----
@@ -168,7 +141,7 @@ def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
         ((17, 8), (4, 8), None, None, "1 <= M <= 16"),
         ((2, 3, 8), (4, 8), None, None, "x must be 2-D"),
         ((2, 8), (4, 8, 1), None, None, "weight must be 2-D"),
-        ((2, 8), (4, 9), None, None, "does not match weight"),
+        ((2, 8), (4, 9), None, None, "does not match x"),
         ((2, 8), (4, 8), (5,), None, "bias must have shape"),
         ((2, 8), (4, 8), None, (torch.float32, torch.float16, None), "weight dtype"),
         ((2, 8), (4, 8), (4,), (torch.float16, torch.float16, torch.float32), "bias dtype"),
@@ -266,7 +239,7 @@ def chosen(monkeypatch):
     calls = []
     monkeypatch.setattr(dispatch, "_enabled", True)
     monkeypatch.setattr(sg, "skinny_linear",
-                        lambda x, w, b=None, config=None, silu_mul=False: calls.append(tuple(x.shape)) or F.linear(x, w, b))
+                        lambda x, w, b=None, config=None: calls.append(tuple(x.shape)) or F.linear(x, w, b))
     for bucket in (1, 2, 4, 8, 16, 32):
         monkeypatch.setitem(dispatch._choices, (bucket, 24, 32, torch.float32), split_config(1))
     return calls

@@ -46,7 +46,6 @@ Everything else (CPU, prefill, large batches) is `F.linear`.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -78,6 +77,7 @@ _ROW_BYTES_PER_STEP = 512  # weight bytes per row per K step: BLOCK_K = 256 for 
 _MAX_SPLIT_K = 16
 _MAX_STAGES = 4
 _NUM_WARPS = 4
+_EARLY_TRIGGER = os.environ.get("NANOINFER_EARLY_TRIGGER", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,6 @@ class SkinnyConfig:
     num_warps: int
     num_stages: int
     block_m: int = _BLOCK_M
-    # With PDL: let the next kernel launch as soon as every program has started (True), or once
-    # they have all finished their K loop (False). Early wins when the grid is resident at once;
-    # with several waves the waiting next kernel takes SM slots from our later waves (-25% on
-    # Qwen3-8B TP=1 shapes), so the start-up tuning times both.
-    early_launch: bool = False
 
     def k_per_split(self, K: int) -> int:
         """K covered by one split: a whole number of BLOCK_K steps."""
@@ -207,7 +202,6 @@ def _skinny_gemm_kernel(
     UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
     USE_PDL: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr,
-    SILU_MUL: tl.constexpr,  # x is [M, 2K] = [gate | up]; the product's input is silu(gate) * up
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -228,11 +222,6 @@ def _skinny_gemm_kernel(
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < K - k  # split ranges are whole steps: only the last step of K is partial
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if SILU_MUL:
-            # As the compiled silu_and_mul: float32 math, one rounding to the input dtype.
-            up = tl.load(x_ptrs + K * stride_xk, mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            gate = x.to(tl.float32)
-            x = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
@@ -266,17 +255,16 @@ def _skinny_gemm_kernel(
             _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> None:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
-    M, K = x.shape[0], weight.shape[1]
+    M, K = x.shape
     if not 1 <= M <= MAX_M:
         raise ValueError(f"skinny_linear takes 1 <= M <= {MAX_M} rows, got M={M}")
-    if x.shape[1] != (2 * K if silu_mul else K):
-        need = f"[M, 2 * {K}] (gate | up)" if silu_mul else f"[M, {K}]"
-        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}: need {need}")
+    if weight.shape[1] != K:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}: need [N, {K}]")
     if weight.shape[0] < 1 or K < 1:
         raise ValueError(f"empty matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if x.dtype not in _SUPPORTED_DTYPES:
@@ -298,15 +286,12 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: SkinnyConfig | None = None,
-    silu_mul: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
-    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation.
-    silu_mul: x is [M, 2K], gate then up, and the product is silu_and_mul(x) @ weight^T, the
-    activation applied as x is loaded (the MLP's down projection: no activation kernel)."""
-    _check_inputs(x, weight, bias, silu_mul)
-    M = x.shape[0]
-    N, K = weight.shape
+    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation."""
+    _check_inputs(x, weight, bias)
+    M, K = x.shape
+    N = weight.shape[0]
     if config is None:
         config = choose_config(M, N, K, num_sms(x.device), x.dtype)
     elif config.block_m < M or config.split_k < 1:
@@ -332,8 +317,7 @@ def skinny_linear(
         BLOCK_K=config.block_k,
         UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
         USE_PDL=pdl,
-        EARLY_TRIGGER=config.early_launch,
-        SILU_MUL=silu_mul,
+        EARLY_TRIGGER=_EARLY_TRIGGER,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
@@ -420,10 +404,7 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
             cublas = [functools.partial(F.linear, x, w, b) for w, b in layers] * rounds
             best, t_best = None, graph_seconds_per_call(cublas)
             t_cublas = t_best
-            configs = candidate_configs(M, N, K, num_sms(device), dtype)
-            if pdl_enabled(device):
-                configs += [dataclasses.replace(c, early_launch=True) for c in configs]
-            for config in configs:
+            for config in candidate_configs(M, N, K, num_sms(device), dtype):
                 out = skinny_linear(x, w, b, config=config).float()
                 error = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
                 if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins

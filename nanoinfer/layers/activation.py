@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from nanoinfer.layers.fusion import fused
 
@@ -13,3 +14,9 @@ from nanoinfer.layers.fusion import fused
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2 * d] (gate then up) -> [T, d]."""
+        return silu_and_mul(x)

@@ -127,14 +127,9 @@ class RowParallelLinear(LinearBase):
     split (from a column-parallel layer) and the partial products are summed over ranks, here or,
     with reduce_results=False, by the caller (the decoder's next norm fuses the sum in)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
-                 silu_mul_input: bool = False) -> None:
-        """silu_mul_input: forward takes [gate | up] (a merged gate/up projection's output, twice this
-        rank's input size) and uses silu(gate) * up as its input: the MLP's activation, fused into
-        the skinny kernel's loads where that runs (one kernel less per layer at decode)."""
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
         super().__init__(divide(input_size, tp_world_size(), "input_size"), output_size, bias)
         self.reduce_results = reduce_results
-        self.silu_mul_input = silu_mul_input
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if param is self.weight:
@@ -143,5 +138,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
-        partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.silu_mul_input)
+        partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return tp_all_reduce(partial) if self.reduce_results else partial

@@ -10,8 +10,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.layers.activation import silu_and_mul
-
 MAX_M = 16  # rows the skinny kernel takes
 _enabled = False
 # (M bucket, N, K, dtype) -> the skinny kernel's launch config (a SkinnyConfig) where it beat
@@ -42,12 +40,11 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor) -> Any:
     return _choices.get((m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """`F.linear`, or the skinny kernel where the start-up tuning found it faster. silu_mul: x is
-    [gate | up] and the matmul's input silu_and_mul(x) (fused into the skinny kernel's loads)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or the skinny kernel where the start-up tuning found it faster."""
     config = skinny_config(x, weight)
     if config is not None:
         from nanoinfer.kernels import skinny_gemm  # only reached on CUDA, after tuning
 
-        return skinny_gemm.skinny_linear(x, weight, bias, config=config, silu_mul=silu_mul)
-    return F.linear(silu_and_mul(x) if silu_mul else x, weight, bias)
+        return skinny_gemm.skinny_linear(x, weight, bias, config=config)
+    return F.linear(x, weight, bias)
