@@ -169,19 +169,20 @@ def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) 
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD.group_name
     world, rank = tp_world_size(), tp_rank()
-    shape = (FusedAllReduce.SLOTS, world, max_rows, hidden)
-    data = symm_mem.empty(shape, dtype=dtype, device=device)
-    data_handle = symm_mem.rendezvous(data, group)
-    flag_shape = (FusedAllReduce.SLOTS, FusedAllReduce.MAX_PROGRAMS, world)
-    flags = symm_mem.empty(flag_shape, dtype=torch.int32, device=device)
-    flags.zero_()
-    flag_handle = symm_mem.rendezvous(flags, group)
+    def symmetric(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """A zeroed tensor in symmetric memory on every rank: ours (it owns the memory), the peers' views."""
+        own = symm_mem.empty(shape, dtype=dtype, device=device)
+        own.zero_()
+        handle = symm_mem.rendezvous(own, group)
+        return [own if r == rank else handle.get_buffer(r, shape, dtype) for r in range(world)]
+
+    slots = FusedAllReduce.SLOTS
+    buffers = symmetric((slots, world, max_rows, hidden), dtype)
+    ll_buffers = symmetric((slots, world, FusedAllReduce.LL_ROWS, hidden), torch.int64)
+    flags = symmetric((slots, FusedAllReduce.MAX_PROGRAMS, world), torch.int32)
     torch.cuda.synchronize()
     dist.barrier(group=control_group())  # every rank's flags are zero before any rank raises one
-    _fused_all_reduce = FusedAllReduce(
-        [data if r == rank else data_handle.get_buffer(r, shape, dtype) for r in range(world)],
-        [flags if r == rank else flag_handle.get_buffer(r, flag_shape, torch.int32) for r in range(world)],
-        rank, max_rows, hidden)
+    _fused_all_reduce = FusedAllReduce(buffers, ll_buffers, flags, rank, max_rows, hidden)
     return True
 
 
