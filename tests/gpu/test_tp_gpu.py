@@ -72,6 +72,7 @@ def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
             with_residual = call % 5 != 0
             out = kernel(parts[rank], residual if with_residual else None, weight, 1e-6, call % 3)
             check(call, rows, *out, with_residual)
+        print(f"rank {rank}: 200 eager calls checked", flush=True)  # where a hang stopped (pytest -s)
         # In a CUDA graph (the decode path): capture 63 calls, replay it several times.
         parts, residual = inputs(1000, 8)
         static = [kernel(parts[rank], residual, weight, 1e-6, 2)]  # the slot before the graph's first
@@ -80,9 +81,11 @@ def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
         with torch.cuda.graph(graph):
             for call in range(63):  # ends on slot 2: the next replay starts on 0
                 static.append(kernel(parts[rank], residual, weight, 1e-6, call % 3))
+        print(f"rank {rank}: graph captured", flush=True)
         for _ in range(20):
             graph.replay()
         torch.cuda.synchronize()
+        print(f"rank {rank}: 20 replays done", flush=True)
         for out, residual_out in static:
             check(1000, 8, out, residual_out)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
