@@ -87,6 +87,9 @@ def _all_reduce_add_rms_norm_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     epoch = tl.load(epoch_ptr + program) + 1
+    # Every thread has read the count before one stores the next (a warp that read it late
+    # would use the next epoch, and its flags and waits would never match the peer's).
+    tl.debug_barrier()
     tl.store(epoch_ptr + program, epoch)
     if LL:
         # Each word carries its own arrival flag: no fence between the rows and a flag, no flag.
