@@ -1,10 +1,12 @@
 """Our Triton kernels. `num_sms` is shared by the launch heuristics that size grids to the GPU;
 `arrival_counters` by the kernels whose split programs merge their results in the last one to
-arrive (split-K matmul, split-KV attention) instead of in a second kernel."""
+arrive (split-K matmul, split-KV attention) instead of in a second kernel; `pdl_enabled` by every
+decode kernel that launches with programmatic dependent launch."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -46,8 +48,6 @@ def pdl_enabled(device: torch.device) -> bool:
     kernel in the stream is scheduled while this one finishes, and waits (`gdc_wait`) only before it
     touches memory an earlier kernel wrote, so launch latency and ramp-up overlap the previous kernel's
     tail. Off on the CPU interpreter, older GPUs, or with NANOINFER_PDL=0."""
-    import os
-
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NANOINFER_PDL") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

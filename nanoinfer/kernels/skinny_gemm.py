@@ -31,6 +31,9 @@ Design:
   split launch is still one kernel: no zero-fill, no second reduction kernel,
   no fp32-to-bf16 cast kernel. The counters are `arrival_counters`, shared
   with split-KV attention.
+* On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
+  programs start while the previous kernel finishes and wait only before loading x;
+  they release the next kernel once their K loop is done.
 * Launch parameters are pure functions of host ints: `choose_config(M, N, K,
   num_sms, dtype)`, the heuristic, and `candidate_configs`, the few configs
   the start-up tuning times per shape (no Triton autotuning: it would re-tune
@@ -77,7 +80,6 @@ _ROW_BYTES_PER_STEP = 512  # weight bytes per row per K step: BLOCK_K = 256 for 
 _MAX_SPLIT_K = 16
 _MAX_STAGES = 4
 _NUM_WARPS = 4
-_EARLY_TRIGGER = os.environ.get("NANOINFER_EARLY_TRIGGER", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,6 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
     USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -217,8 +218,6 @@ def _skinny_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous kernel
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < K - k  # split ranges are whole steps: only the last step of K is partial
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -231,8 +230,10 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    if USE_PDL and not EARLY_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch while we store and reduce
+    if USE_PDL:
+        # The next kernel may launch while we store and reduce. Not earlier: with several waves
+        # of programs its waiting ones would take SM slots from our later waves (bench/NOTES.md).
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
     else:
@@ -317,7 +318,6 @@ def skinny_linear(
         BLOCK_K=config.block_k,
         UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
         USE_PDL=pdl,
-        EARLY_TRIGGER=_EARLY_TRIGGER,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
