@@ -15,8 +15,8 @@ peers' rows in its own, local, memory:
   travels in an int64 word with the epoch in its high half, so a word is its own
   arrival flag and the sender needs no fence between data and flag (NCCL's "LL"
   protocol). The receiver re-reads until every word shows the epoch.
-* more rows: the rows as they are (a quarter of the bytes), then per program one
-  int32 flag per peer set to the epoch with release semantics at system scope
+* more rows: the rows as they are (a quarter of the bytes for 16-bit types), then per
+  program one int32 flag per peer, set to the epoch with release semantics at system scope
   (which waits for the rows to land), and the receiver waits on its flags.
 
 Then it sums every rank's rows in rank order, in float32, so every rank computes
