@@ -115,9 +115,9 @@ def test_small_query_tiles_span_several_tiles_per_sequence():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_matches_reference(dtype, num_splits):
-    """With block_n 16 and 4 splits, short contexts leave some splits empty and
-    the longest (70) spans all four: the merge (in the last split to arrive) must
-    weight them correctly, and leave every arrival counter at zero for the next launch.
+    """With block_n 16 and 4 splits, short contexts need fewer splits (the rest exit
+    at once) and the longest (70) spans all four: the merge (in the last split to
+    arrive) must count and weight only the splits with work, and leave every arrival counter at zero for the next launch.
     Run twice: the second launch reuses the counters."""
     seq_lens = [1, 15, 16, 17, 33, 70]
     query, k_cache, v_cache, md = make_batch([1] * len(seq_lens), seq_lens, 8, 2, 64, dtype, extra_rows=2)

@@ -145,8 +145,8 @@ def tp_min(value: int) -> int:
 def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) -> bool:
     """Sum the decoder's row-parallel outputs of up to `max_rows` x `hidden` elements of `dtype`
     (a decode step's) in our Triton kernel that also adds the residual and normalises
-    (`nanoinfer.kernels.all_reduce`; ~3x faster than NCCL at batch 1 on two H200s,
-    bench/allreduce.py), over buffers in torch symmetric memory that peers write over NVLink.
+    (`nanoinfer.kernels.all_reduce`; on two H200s 5.5 us at 1 row against 9.8 us for NCCL then
+    the compiled add + norm, bench/allreduce.py), over buffers in torch symmetric memory that peers write over NVLink.
     NANOINFER_FUSED_ALL_REDUCE=0 keeps NCCL. Every rank calls this, in the same order: the buffers'
     rendezvous is collective, so the ranks first agree that all of them can: not when torch lacks
     it, nor in a process that set it up for an earlier engine (torch's rendezvous for a new group
@@ -169,6 +169,7 @@ def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) 
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD.group_name
     world, rank = tp_world_size(), tp_rank()
+
     def symmetric(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
         """A zeroed tensor in symmetric memory on every rank: ours (it owns the memory), the peers' views."""
         own = symm_mem.empty(shape, dtype=dtype, device=device)

@@ -276,7 +276,7 @@ def _paged_attention_kernel(
 
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch while we store and merge
-    has_keys = l_i > 0.0  # false only for an empty split or a zero-length context
+    has_keys = l_i > 0.0  # false only for a zero-length context (splits past the context left above)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_rows = token_row * stride_ot + head * stride_oh + split * stride_os
     tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -298,7 +298,7 @@ def _merge_splits(partial_ptr, lse_ptr, final_ptr, token_row, first_head, num_sp
                   stride_os, stride_lt, stride_lh, stride_ft, stride_fh, QUERY_GROUP: tl.constexpr,
                   HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """The last split of a (token, KV head) to finish: for each of its query heads, combine every
-    split's normalised output weighted by exp2(lse - max lse) (empty splits: lse -inf, weight 0).
+    split's normalised output weighted by exp2(lse - max lse) (a zero-length context: lse -inf, output 0).
     All splits load at once (one L2 round trip per head, not one per split); .cg: other programs
     wrote them."""
     splits = tl.arange(0, MAX_SPLITS)
