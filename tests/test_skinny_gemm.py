@@ -162,6 +162,25 @@ def test_config_that_cannot_cover_m_raises():
         sg.skinny_linear(torch.zeros(16, 8), torch.zeros(4, 8), config=sg.SkinnyConfig(16, 16, 1, 4, 2, block_m=8))
 
 
+# ----- residency (decides the PDL release point; pure arithmetic) -----
+
+H200_SM = dict(max_threads=2048, regs=65536, shared=233472)  # per SM, as torch reports them on Hopper
+
+
+@pytest.mark.parametrize("num_warps,n_regs,shared,expected", [
+    (4, 64, 48 * 1024, 4),    # shared memory binds: 228 KB // (48 KB + 1 KB reserved)
+    (4, 128, 8 * 1024, 4),    # registers bind: 65536 // (128 regs x 32 threads x 4 warps)
+    (4, 100, 8 * 1024, 4),    # 100 x 32 = 3200 -> 3328 per warp (units of 256): 65536 // 13312 = 4
+    (4, 120, 8 * 1024, 4),    # 120 x 32 = 3840 -> 3840 per warp: 65536 // 15360 = 4
+    (4, 130, 8 * 1024, 3),    # 130 x 32 = 4160 -> 4352 per warp: 65536 // 17408 = 3
+    (4, 32, 0, 16),           # threads bind: 2048 // 128
+    (1, 16, 0, 32),           # the 32-blocks-per-SM limit binds
+    (8, 255, 200 * 1024, 1),
+])
+def test_occupancy_follows_cuda_rules(num_warps, n_regs, shared, expected):
+    assert sg.occupancy(num_warps, n_regs, shared, **H200_SM) == expected
+
+
 # ----- the launch heuristic (pure function of host ints) -----
 
 

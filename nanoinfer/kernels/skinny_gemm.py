@@ -32,8 +32,12 @@ Design:
   no fp32-to-bf16 cast kernel. The counters are `arrival_counters`, shared
   with split-KV attention.
 * On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
-  programs start while the previous kernel finishes and wait only before loading x;
-  they release the next kernel once their K loop is done.
+  programs start while the previous kernel finishes and wait only before loading x.
+  When the whole grid fits on the SMs at once (`resident_at_once`, from the compiled
+  kernel's registers and shared memory) they release the next kernel as soon as x is
+  readable, so its launch and set-up hide under our weight stream; otherwise only after
+  their K loop, since the next kernel's waiting programs would take SM slots from our
+  later waves.
 * Launch parameters are pure functions of host ints: `choose_config(M, N, K,
   num_sms, dtype)`, the heuristic, and `candidate_configs`, the few configs
   the start-up tuning times per shape (no Triton autotuning: it would re-tune
@@ -203,6 +207,7 @@ def _skinny_gemm_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
     USE_PDL: tl.constexpr,
+    EARLY_RELEASE: tl.constexpr,  # release the next kernel before the K loop (the grid is resident at once)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -218,6 +223,8 @@ def _skinny_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous kernel
+        if EARLY_RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < K - k  # split ranges are whole steps: only the last step of K is partial
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -230,7 +237,7 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    if USE_PDL:
+    if USE_PDL and not EARLY_RELEASE:
         # The next kernel may launch while we store and reduce. Not earlier: with several waves
         # of programs its waiting ones would take SM slots from our later waves (bench/NOTES.md).
         tl.extra.cuda.gdc_launch_dependents()
@@ -302,12 +309,14 @@ def skinny_linear(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
     grid = config.grid(N)
+    resident_key = (config, x.dtype)
+    early = pdl and grid[0] * grid[1] <= num_sms(x.device) * _blocks_per_sm.get(resident_key, 0)
     if config.split_k > 1:
         partial = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, grid[0])
     else:
         partial = counters = out  # unused
-    _skinny_gemm_kernel[grid](
+    kernel = _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out, partial, counters,
         M, N, K, config.k_per_split(K),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
@@ -318,11 +327,41 @@ def skinny_linear(
         BLOCK_K=config.block_k,
         UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
         USE_PDL=pdl,
+        EARLY_RELEASE=early,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
     )
+    if pdl and resident_key not in _blocks_per_sm:  # the first launch (eager, before any graph capture)
+        _blocks_per_sm[resident_key] = blocks_per_sm(x.device, config.num_warps, kernel.n_regs, kernel.metadata.shared)
     return out
+
+
+# ----- residency: may the next kernel launch before our K loop? -----
+
+# (config, dtype) -> programs of that compiled kernel one SM holds at once; filled at its first launch.
+_blocks_per_sm: dict[tuple[SkinnyConfig, torch.dtype], int] = {}
+
+
+def blocks_per_sm(device: torch.device, num_warps: int, n_regs: int, shared_bytes: int) -> int:
+    """Programs of a kernel one SM holds at once, by CUDA's occupancy rules: threads, registers
+    (allocated per warp in units of 256) and shared memory (plus the 1 KB the driver reserves per
+    block). 0 where the device does not report its limits (then the release stays late)."""
+    props = torch.cuda.get_device_properties(device)
+    limits = [getattr(props, name, None) for name in
+              ("max_threads_per_multi_processor", "regs_per_multiprocessor", "shared_memory_per_multiprocessor")]
+    if None in limits:
+        return 0
+    return occupancy(num_warps, n_regs, shared_bytes, *limits)
+
+
+def occupancy(num_warps: int, n_regs: int, shared_bytes: int, max_threads: int, regs: int, shared: int) -> int:
+    """`blocks_per_sm`'s arithmetic, on the SM's limits (threads, 32-bit registers, shared bytes)."""
+    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_threads = max_threads // (32 * num_warps)
+    by_regs = regs // (warp_regs * num_warps)
+    by_shared = shared // (shared_bytes + 1024)
+    return min(by_threads, by_regs, by_shared, 32)  # 32: the per-SM block limit (sm_80 and newer)
 
 
 # ----- start-up tuning -----
