@@ -334,6 +334,8 @@ def skinny_linear(
     )
     if pdl and resident_key not in _blocks_per_sm:  # the first launch (eager, before any graph capture)
         _blocks_per_sm[resident_key] = blocks_per_sm(x.device, config.num_warps, kernel.n_regs, kernel.metadata.shared)
+        logger.info("skinny GEMM %s %s: %d registers, %d B shared memory, %d programs per SM", config, x.dtype,
+                    kernel.n_regs, kernel.metadata.shared, _blocks_per_sm[resident_key])
     return out
 
 
