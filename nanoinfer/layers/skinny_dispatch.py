@@ -48,15 +48,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return skinny_gemm.skinny_linear(x, weight, bias, config=config)
     return F.linear(x, weight, bias)
-
-
-def prefetch_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Launched right before a latency-bound kernel (a norm, the TP all-reduce, attention): start
-    an L2 prefetch of the first part of `weight` for the matmul `linear(.., weight)` of x's rows
-    that comes after it (kernels/prefetch.py). A no-op where that matmul is cuBLAS (its access
-    order is not ours to know) or not on a GPU."""
-    config = skinny_config(x, weight)
-    if config is not None:
-        from nanoinfer.kernels import prefetch
-
-        prefetch.prefetch_for(weight, config.split_k, config.k_per_split(weight.shape[1]))

@@ -24,7 +24,6 @@ from nanoinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoinfer.layers.rotary import RotaryEmbedding, get_rope
-from nanoinfer.layers.skinny_dispatch import prefetch_weight
 
 
 def _check_supported(config: Any) -> None:
@@ -58,7 +57,6 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        prefetch_weight(hidden_states, self.o_proj.weight)  # while attention waits on latency
         return self.o_proj(self.attn(positions, qkv, self.rotary_emb, self.q_norm, self.k_norm))
 
 
@@ -92,12 +90,8 @@ class LlamaDecoderLayer(nn.Module):
         """Takes and returns a partial sum over TP ranks (the embedding's or the previous layer's
         output) and the residual stream *before* adding it (None in the first layer): each norm
         does the sum and the add, fused with normalisation."""
-        # Each norm (with TP: an all-reduce, an NVLink round trip) leaves HBM idle: the next
-        # matmul's weights start streaming into L2 meanwhile.
-        prefetch_weight(hidden_states, self.self_attn.qkv_proj.weight)
         hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
-        prefetch_weight(hidden_states, self.mlp.gate_up_proj.weight)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
