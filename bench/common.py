@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ QWEN3_06B = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 
 def parser(description: str, model_default: str | None = QWEN3_06B, load_format_default: str = "dummy") -> argparse.ArgumentParser:
+    # The engine's own log (KV cache size, GEMM tuning, graph capture) belongs with the figures.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=description)
     add_engine_args(p)
     p.set_defaults(model=model_default, load_format=load_format_default)
