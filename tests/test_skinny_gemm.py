@@ -1,6 +1,5 @@
-"""The skinny (M <= 16) Triton matmul (plain, and gated: SiLU-and-mul in the
-epilogue) against a float reference, its launch heuristic, and the `linear` /
-`gated_linear` dispatchers the model's layers call.
+"""The skinny (M <= 16) Triton matmul against a float reference, its launch
+heuristic, and the `linear` dispatcher the model's linear layers call.
 
 Kernel launches run in Triton's interpreter on CPU, in a child pytest
 (tests/triton_child.py). The heuristic and dispatcher tests that launch nothing also run
@@ -9,7 +8,6 @@ in the parent.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from nanoinfer.kernels import arrival_counters
 from nanoinfer.kernels import skinny_gemm as sg
 from nanoinfer.layers import skinny_dispatch as dispatch
 from nanoinfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from nanoinfer.models.llama import LlamaMLP
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,9 +26,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 ~3e-3 (the interpreter truncates fp32 -> bf16; the GPU rounds to nearest). Bounds
 # leave a few times headroom; a wrong tile, mask or split is off by O(1).
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-# Gated: gate and up are rounded to the output dtype before silu(gate) * up, which is rounded
-# again: three roundings (bf16 ~1e-2 in the interpreter). Swapped halves are off by O(1).
-GATED_REL_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 QWEN3_06B = {"qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 QWEN3_8B_TP2 = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (12288, 4096), "down": (4096, 6144)}
 
@@ -44,18 +38,6 @@ def rel_err(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torc
     if bias is not None:
         ref = ref + bias.float()
     return ((out.float() - ref).norm() / ref.norm()).item()
-
-
-def gated_rel_err(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
-    """Against silu(x Wg^T + bg) * (x Wu^T + bu) in fp32, weight = [Wg; Wu]."""
-    gate, up = (x.float() @ weight.float().T + (0 if bias is None else bias.float())).chunk(2, dim=-1)
-    ref = F.silu(gate) * up
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
-def swap_halves(t: torch.Tensor | None) -> torch.Tensor | None:
-    """Up rows first, then gate rows: a wrong reading of the gate_up weight."""
-    return None if t is None else torch.cat(t.chunk(2)[::-1])
 
 
 def make(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -107,26 +89,6 @@ def test_split_k_matches_reference_and_leaves_counters_zero(config, dtype):
     assert rel_err(no_split, x, w, b) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [1, 3, 16])
-@pytest.mark.parametrize("bias", [False, True])
-@kernel_test
-def test_gated_matches_reference(M, dtype, bias):
-    """gated=True: silu(gate) * up [M, N] from a [2N, K] weight (gate rows, then up rows), with
-    the default config and split K (uneven: K=200 over 3 ranges; ragged N=72). The bound fails
-    for swapped halves; a split launch leaves the counters at zero and repeats bitwise."""
-    N, K = 72, 200
-    x, w, b = make(M, 2 * N, K, dtype, bias)
-    out = sg.skinny_linear(x, w, b, gated=True)
-    assert out.shape == (M, N) and out.dtype == dtype
-    assert gated_rel_err(out, x, w, b) < GATED_REL_TOL[dtype]
-    assert gated_rel_err(out, x, swap_halves(w), swap_halves(b)) > 10 * GATED_REL_TOL[dtype]
-    split = sg.skinny_linear(x, w, b, config=split_config(3, block_n=32), gated=True)
-    assert gated_rel_err(split, x, w, b) < GATED_REL_TOL[dtype]
-    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
-    assert torch.equal(split, sg.skinny_linear(x, w, b, config=split_config(3, block_n=32), gated=True))
-
-
 @kernel_test
 def test_non_contiguous_inputs():
     """x as a transposed view and as a column slice, weight as a slice of a wider matrix
@@ -169,33 +131,6 @@ def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     torch.testing.assert_close(out, F.linear(hidden, row.weight, row.bias), rtol=1e-5, atol=1e-5)
 
 
-@kernel_test
-def test_mlp_runs_the_gated_kernel_when_chosen(monkeypatch):
-    """LlamaMLP's gate_up + SiLU-and-mul is one gated launch where a gated config is recorded for
-    its shape, and the unfused pair (`linear`, `silu_and_mul`) otherwise; both match the reference."""
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(dispatch, "_enabled", True)
-    calls = []
-    real_kernel, real_unfused = sg.skinny_linear, dispatch.unfused_gated_linear
-    monkeypatch.setattr(sg, "skinny_linear",
-                        lambda *a, **k: calls.append(("kernel", k.get("gated"))) or real_kernel(*a, **k))
-    monkeypatch.setattr(dispatch, "unfused_gated_linear", lambda *a: calls.append(("unfused",)) or real_unfused(*a))
-    torch.manual_seed(0)
-    mlp = LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=48, mlp_bias=True)).to(DEVICE)
-    for p in mlp.parameters():
-        p.data.normal_()
-    x = torch.randn(3, 64, device=DEVICE)
-    gate, up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias).chunk(2, dim=-1)
-    expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-    monkeypatch.setitem(dispatch._gated_choices, (4, 48, 64, torch.float32), split_config(2, block_k=32))
-    torch.testing.assert_close(mlp(x), expected, rtol=1e-4, atol=1e-4)
-    assert calls == [("kernel", True)]
-    calls.clear()
-    monkeypatch.setitem(dispatch._gated_choices, (4, 48, 64, torch.float32), None)  # tuned: unfused won
-    torch.testing.assert_close(mlp(x), expected, rtol=1e-4, atol=1e-4)
-    assert calls == [("unfused",)]
-
-
 # ----- input validation (raises before any launch: runs in the parent too) -----
 
 
@@ -222,44 +157,9 @@ def test_invalid_inputs_raise(x_shape, w_shape, b_shape, dtypes, match):
         sg.skinny_linear(x, w, b)
 
 
-@pytest.mark.parametrize("w_rows,b_shape,match", [
-    (5, None, "even number of rows"),
-    (4, (2,), r"bias must have shape \(4,\) \(gate bias, then up bias\)"),
-])
-def test_invalid_gated_inputs_raise(w_rows, b_shape, match):
-    """gated: the weight is [2N, K] (gate, then up) and the bias [2N]."""
-    b = torch.zeros(b_shape) if b_shape else None
-    with pytest.raises(ValueError, match=match):
-        sg.skinny_linear(torch.zeros(2, 8), torch.zeros(w_rows, 8), b, gated=True)
-
-
-def test_gate_up_needs_two_equal_projections():
-    with pytest.raises(ValueError, match="two equal projections"):
-        MergedColumnParallelLinear(8, [4, 2]).silu_and_mul(torch.zeros(1, 8))
-
-
 def test_config_that_cannot_cover_m_raises():
     with pytest.raises(ValueError, match="cannot cover"):
         sg.skinny_linear(torch.zeros(16, 8), torch.zeros(4, 8), config=sg.SkinnyConfig(16, 16, 1, 4, 2, block_m=8))
-
-
-# ----- residency (decides the PDL release point; pure arithmetic) -----
-
-H200_SM = dict(max_threads=2048, regs=65536, shared=233472)  # per SM, as torch reports them on Hopper
-
-
-@pytest.mark.parametrize("num_warps,n_regs,shared,expected", [
-    (4, 64, 48 * 1024, 4),    # shared memory binds: 228 KB // (48 KB + 1 KB reserved)
-    (4, 128, 8 * 1024, 4),    # registers bind: 65536 // (128 regs x 32 threads x 4 warps)
-    (4, 100, 8 * 1024, 4),    # 100 x 32 = 3200 -> 3328 per warp (units of 256): 65536 // 13312 = 4
-    (4, 120, 8 * 1024, 4),    # 120 x 32 = 3840 -> 3840 per warp: 65536 // 15360 = 4
-    (4, 130, 8 * 1024, 3),    # 130 x 32 = 4160 -> 4352 per warp: 65536 // 17408 = 3
-    (4, 32, 0, 16),           # threads bind: 2048 // 128
-    (1, 16, 0, 32),           # the 32-blocks-per-SM limit binds
-    (8, 255, 200 * 1024, 1),
-])
-def test_occupancy_follows_cuda_rules(num_warps, n_regs, shared, expected):
-    assert sg.occupancy(num_warps, n_regs, shared, **H200_SM) == expected
 
 
 # ----- the launch heuristic (pure function of host ints) -----
@@ -409,7 +309,7 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
 
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "graph_seconds_per_call", fake_seconds)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config, gated: F.linear(x, w, b))  # correct (checked first)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config: F.linear(x, w, b))  # correct, as checked first
     monkeypatch.setattr(dispatch, "_choices", {})
     results = sg.tune_skinny_gemm(model, [1, 2, 3, 8, 16, 32, 48], min_calls=8)
     buckets = [1, 2, 4, 8, 16]  # 3 -> 4; 32 and 48 are above MAX_M
@@ -431,54 +331,9 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
     timed = []
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config, gated: F.linear(x, w, b) * 1.1)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config: F.linear(x, w, b) * 1.1)
     monkeypatch.setattr(dispatch, "_choices", {})
     results = sg.tune_skinny_gemm(model, [1, 4])
     assert dispatch._choices == {(1, 24, 32, torch.float32): None, (4, 24, 32, torch.float32): None}
     assert [r[2] for r in results.values()] == [None, None]
     assert [c[0].func for c in timed] == [F.linear, F.linear] and "not used" in caplog.text
-
-
-def test_tuning_records_the_gated_kernel_only_where_faster_and_right(monkeypatch, caplog):
-    """Gate/up layers (two equal halves) get a second timing per (M bucket, output width N, K, dtype):
-    the unfused pair, with the plain choices already recorded so it runs as `linear` will, against
-    the gated kernel at each candidate. Recorded: the first candidate where it is faster and right;
-    None where slower (M > 2) or wrong (M = 2: logged and never timed). Other merged layers
-    (unequal halves) are not gated."""
-    model = torch.nn.ModuleList([MergedColumnParallelLinear(32, [24, 24]), MergedColumnParallelLinear(32, [24, 24]),
-                                 MergedColumnParallelLinear(32, [16, 8]), RowParallelLinear(24, 32)])
-    for p in model.parameters():
-        p.data.normal_()
-    timed = []
-
-    def fake_seconds(calls):
-        fn, (x, w, _), gated = calls[0].func, calls[0].args, calls[0].keywords.get("gated")
-        timed.append((fn, x.shape[0], tuple(w.shape), gated, len(dispatch._choices), len(calls)))
-        if fn in (F.linear, dispatch.unfused_gated_linear):
-            return 1.0
-        return 0.5 if gated and x.shape[0] == 1 else 2.0  # the gated kernel wins at M = 1 only
-
-    def fake_kernel(x, w, b, config, gated):
-        out = dispatch.unfused_gated_linear(x, w, b) if gated else F.linear(x, w, b)
-        return out * 1.1 if gated and x.shape[0] == 2 else out  # wrong at M = 2
-
-    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
-    monkeypatch.setattr(sg, "graph_seconds_per_call", fake_seconds)
-    monkeypatch.setattr(sg, "skinny_linear", fake_kernel)
-    monkeypatch.setattr(dispatch, "_choices", {})
-    monkeypatch.setattr(dispatch, "_gated_choices", {})
-    assert list(sg.linear_weights(model, gated=True)) == [(24, 32, torch.float32)]
-    results = sg.tune_skinny_gemm(model, [1, 2, 4], min_calls=8)
-    num_sms = sg.num_sms(torch.device(DEVICE))
-    gated_keys = [(m, 24, 32, torch.float32) for m in (1, 2, 4)]
-    assert dispatch._gated_choices == {key: sg.candidate_configs(*key[:3], num_sms, torch.float32)[0] if key[0] == 1
-                                       else None for key in gated_keys}
-    assert {key: results[("gated", *key)][2] for key in gated_keys} == dispatch._gated_choices
-    assert all(v is None for v in dispatch._choices.values()) and len(dispatch._choices) == 9  # 3 shapes x 3 buckets
-    gated_timings = [t for t in timed if t[0] is dispatch.unfused_gated_linear or t[3]]
-    assert gated_timings == timed[-len(gated_timings):]  # after every plain timing
-    assert {t[4] for t in gated_timings} == {9}  # the plain table was complete
-    assert {(t[2], t[5]) for t in gated_timings} == {((48, 32), 8)}  # both gate/up layers, rotated to 8 calls
-    assert sum(t[0] is dispatch.unfused_gated_linear for t in gated_timings) == 3
-    assert len(gated_timings) - 3 == sum(len(sg.candidate_configs(m, 24, 32, num_sms, torch.float32)) for m in (1, 4))
-    assert "(gated) 2x24x32" in caplog.text and "not used" in caplog.text

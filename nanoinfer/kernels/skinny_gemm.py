@@ -32,17 +32,8 @@ Design:
   no fp32-to-bf16 cast kernel. The counters are `arrival_counters`, shared
   with split-KV attention.
 * On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
-  programs start while the previous kernel finishes and wait only before loading x.
-  When the whole grid fits on the SMs at once (`resident_at_once`, from the compiled
-  kernel's registers and shared memory) they release the next kernel as soon as x is
-  readable, so its launch and set-up hide under our weight stream; otherwise only after
-  their K loop, since the next kernel's waiting programs would take SM slots from our
-  later waves.
-* Gated form (`gated=True`, the MLP's gate_up projection): the weight is [2N, K], gate rows then up
-  rows; each program streams both tiles against the same x tile into two accumulators (loads
-  straight into dots: math on loaded tiles in the loop cost the pipelining once) and its epilogue
-  writes silu(gate) * up [M, N], gate and up first rounded to the output dtype as the unfused
-  path's would be. One kernel instead of two, and the down GEMM chains to it with PDL.
+  programs start while the previous kernel finishes and wait only before loading x;
+  they release the next kernel once their K loop is done.
 * Launch parameters are pure functions of host ints: `choose_config(M, N, K,
   num_sms, dtype)`, the heuristic, and `candidate_configs`, the few configs
   the start-up tuning times per shape (no Triton autotuning: it would re-tune
@@ -52,9 +43,8 @@ Dispatch (layers/skinny_dispatch.py, free of triton): `linear(x, weight, bias)` 
 model's linear layers call. It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
 without enforce_eager), x is 2-D on CUDA with 1 <= M <= 16, and the choice
 table holds a config for this (M bucket, N, K, dtype): the fastest candidate, where it beat
-cuBLAS. `gated_linear(x, weight, bias)` (the MLP) runs the gated form where its own table
-holds a config, else `linear` then `silu_and_mul`. `tune_skinny_gemm` fills both tables once at
-start-up, timing inside CUDA graphs. Everything else (CPU, prefill, large batches) is `F.linear`.
+cuBLAS. `tune_skinny_gemm` fills the table once at start-up, timing inside CUDA graphs.
+Everything else (CPU, prefill, large batches) is `F.linear`.
 """
 
 from __future__ import annotations
@@ -181,43 +171,21 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype =
 
 
 @triton.jit
-def _store_output(acc, up, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_om,
-                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
-    """acc (+ bias) -> out; when GATED, acc is the gate and `up` the up half (ignored otherwise), and
-    out = silu(gate) * up, with gate and up first rounded to out's dtype as the unfused path's linear
-    output is (then silu_and_mul computes in fp32 and rounds once)."""
+def _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            up += tl.load(b_ptr + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate * tl.sigmoid(gate) * up
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _sum_splits(acc, parts_ptr, split_stride, tile, mask_mn, pid_k, SPLIT_K: tl.constexpr):
-    """The last arriver's total: every split's partial in split order (bitwise the same whoever is
-    last), its own from registers."""
-    total = tl.zeros_like(acc)
-    split_ids = tl.zeros_like(tile) + pid_k  # (a block mask: the CPU interpreter mis-types block & scalar masks)
-    for s in tl.static_range(SPLIT_K):
-        other = tl.load(parts_ptr + s * split_stride + tile, mask=mask_mn & (split_ids != s), other=0.0,
-                        cache_modifier=".cg")
-        total += tl.where(split_ids == s, acc, other)
-    return total
 
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
-    w_ptr,  # [N, K], or [2N, K] (gate rows, then up rows) when GATED
+    w_ptr,
     b_ptr,
-    out_ptr,  # [M, N]
-    partial_ptr,  # [SPLIT_K, M, N] fp32, [SPLIT_K, 2, M, N] when GATED (unused when SPLIT_K == 1)
+    out_ptr,
+    partial_ptr,  # [SPLIT_K, M, N] fp32 (unused when SPLIT_K == 1)
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, all zero between launches
     M,
     N,
@@ -229,14 +197,12 @@ def _skinny_gemm_kernel(
     stride_wk,
     stride_om,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,  # out = silu(x Wg^T + bg) * (x Wu^T + bu): the MLP's gate_up with its activation
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
     USE_PDL: tl.constexpr,
-    EARLY_RELEASE: tl.constexpr,  # release the next kernel before the K loop (the grid is resident at once)
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -249,62 +215,48 @@ def _skinny_gemm_kernel(
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :] * stride_wk
-    u_ptrs = w_ptrs + N * stride_wn  # the up rows (read only when GATED)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # stays unused unless GATED
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous kernel
-        if EARLY_RELEASE:
-            tl.extra.cuda.gdc_launch_dependents()
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < K - k  # split ranges are whole steps: only the last step of K is partial
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        if GATED:
-            # Loads straight into dots, no math between: elementwise work on loaded tiles here cost
-            # the loop its software pipelining once (bench/NOTES.md).
-            u = tl.load(u_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-            if GATED:
-                u = u.to(tl.float32)
         # "ieee" keeps fp32 inputs exact (no TF32); it is ignored for 16-bit inputs.
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        if GATED:
-            acc_up = tl.dot(x, tl.trans(u), acc_up, input_precision="ieee")
-            u_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    if USE_PDL and not EARLY_RELEASE:
+    if USE_PDL:
         # The next kernel may launch while we store and reduce. Not earlier: with several waves
         # of programs its waiting ones would take SM slots from our later waves (bench/NOTES.md).
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
-        _store_output(acc, acc_up, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_om, HAS_BIAS, GATED)
+        _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
     else:
         mask_mn = mask_m[:, None] & mask_n[None, :]
         tile = offs_m[:, None] * N + offs_n[None, :]
-        split_stride = M * N  # one [M, N] partial per split, gate then up when GATED
-        if GATED:
-            split_stride = 2 * M * N
-            tl.store(partial_ptr + pid_k * split_stride + M * N + tile, acc_up, mask=mask_mn)
-        tl.store(partial_ptr + pid_k * split_stride + tile, acc, mask=mask_mn)
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask_mn)
         # Every thread's partial is stored before the (one-thread, acq_rel, GPU-scope) arrival.
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1)
         if arrived == SPLIT_K - 1:
-            total = _sum_splits(acc, partial_ptr, split_stride, tile, mask_mn, pid_k, SPLIT_K)
-            total_up = total  # unused unless GATED
-            if GATED:
-                total_up = _sum_splits(acc_up, partial_ptr + M * N, split_stride, tile, mask_mn, pid_k, SPLIT_K)
+            # Last to arrive: sum all splits in split order (bitwise the same whoever is last).
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            split_ids = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32) + pid_k  # (a block mask: the CPU interpreter
+            for s in tl.static_range(SPLIT_K):                                # mis-types block & scalar masks)
+                mine = split_ids == s
+                other = tl.load(partial_ptr + s * M * N + tile, mask=mask_mn & (split_ids != s), other=0.0,
+                                cache_modifier=".cg")
+                total += tl.where(mine, acc, other)
             tl.store(counter_ptr + pid_n, 0)
-            _store_output(total, total_up, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_om, HAS_BIAS,
-                          GATED)
+            _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> None:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
@@ -316,8 +268,6 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}: need [N, {K}]")
     if weight.shape[0] < 1 or K < 1:
         raise ValueError(f"empty matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
-    if gated and weight.shape[0] % 2:
-        raise ValueError(f"gated: weight needs an even number of rows (gate rows, then up rows), got {weight.shape[0]}")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype {x.dtype} not supported; use one of {_SUPPORTED_DTYPES}")
     if weight.dtype != x.dtype:
@@ -329,8 +279,7 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             raise ValueError(f"{name} spans 2**31 elements or more (the kernel uses int32 offsets)")
     if bias is not None:
         if bias.shape != (weight.shape[0],):
-            halves = " (gate bias, then up bias)" if gated else ""
-            raise ValueError(f"bias must have shape ({weight.shape[0]},){halves}, got {tuple(bias.shape)}")
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         if bias.dtype != x.dtype:
             raise ValueError(f"bias dtype {bias.dtype} differs from x dtype {x.dtype}")
         if bias.device != x.device:
@@ -338,21 +287,12 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: SkinnyConfig | None = None,
-    gated: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: SkinnyConfig | None = None
 ) -> torch.Tensor:
-    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation.
-
-    gated: weight [2N, K] holds the gate rows, then the up rows (an MLP's gate_up projection), and
-    the result is silu(gate) * up [M, N]: the activation in the epilogue, with no [M, 2N]
-    intermediate and no second kernel. N (the output width) is what the config tiles."""
-    _check_inputs(x, weight, bias, gated)
+    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation."""
+    _check_inputs(x, weight, bias)
     M, K = x.shape
-    N = weight.shape[0] // 2 if gated else weight.shape[0]
+    N = weight.shape[0]
     if config is None:
         config = choose_config(M, N, K, num_sms(x.device), x.dtype)
     elif config.block_m < M or config.split_k < 1:
@@ -362,63 +302,27 @@ def skinny_linear(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
     grid = config.grid(N)
-    resident_key = (config, x.dtype, gated)
-    early = pdl and grid[0] * grid[1] <= num_sms(x.device) * _blocks_per_sm.get(resident_key, 0)
     if config.split_k > 1:
-        partial = torch.empty((config.split_k, 2 if gated else 1, M, N), dtype=torch.float32, device=x.device)
+        partial = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
         counters = arrival_counters(x.device, grid[0])
     else:
         partial = counters = out  # unused
-    kernel = _skinny_gemm_kernel[grid](
+    _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else out, out, partial, counters,
         M, N, K, config.k_per_split(K),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         HAS_BIAS=bias is not None,
-        GATED=gated,
         SPLIT_K=config.split_k,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
         USE_PDL=pdl,
-        EARLY_RELEASE=early,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
     )
-    if pdl and resident_key not in _blocks_per_sm:  # the first launch (eager, before any graph capture)
-        _blocks_per_sm[resident_key] = blocks_per_sm(x.device, config.num_warps, kernel.n_regs, kernel.metadata.shared)
-        logger.info("skinny GEMM %s %s: %d registers, %d B shared memory, %d programs per SM", config, x.dtype,
-                    kernel.n_regs, kernel.metadata.shared, _blocks_per_sm[resident_key])
     return out
-
-
-# ----- residency: may the next kernel launch before our K loop? -----
-
-# (config, dtype, gated) -> programs of that compiled kernel one SM holds at once; filled at its first
-# launch (the gated kernel holds two accumulators and two weight tiles per stage).
-_blocks_per_sm: dict[tuple[SkinnyConfig, torch.dtype, bool], int] = {}
-
-
-def blocks_per_sm(device: torch.device, num_warps: int, n_regs: int, shared_bytes: int) -> int:
-    """Programs of a kernel one SM holds at once, by CUDA's occupancy rules: threads, registers
-    (allocated per warp in units of 256) and shared memory (plus the 1 KB the driver reserves per
-    block). 0 where the device does not report its limits (then the release stays late)."""
-    props = torch.cuda.get_device_properties(device)
-    limits = [getattr(props, name, None) for name in
-              ("max_threads_per_multi_processor", "regs_per_multiprocessor", "shared_memory_per_multiprocessor")]
-    if None in limits:
-        return 0
-    return occupancy(num_warps, n_regs, shared_bytes, *limits)
-
-
-def occupancy(num_warps: int, n_regs: int, shared_bytes: int, max_threads: int, regs: int, shared: int) -> int:
-    """`blocks_per_sm`'s arithmetic, on the SM's limits (threads, 32-bit registers, shared bytes)."""
-    warp_regs = -(-max(n_regs, 1) * 32 // 256) * 256
-    by_threads = max_threads // (32 * num_warps)
-    by_regs = regs // (warp_regs * num_warps)
-    by_shared = shared // (shared_bytes + 1024)
-    return min(by_threads, by_regs, by_shared, 32)  # 32: the per-SM block limit (sm_80 and newer)
 
 
 # ----- start-up tuning -----
@@ -448,25 +352,18 @@ def graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) 
     return statistics.median(times) / len(calls)
 
 
-def linear_weights(
-    model: torch.nn.Module, *, gated: bool = False
-) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor | None]]]:
-    """(N, K, dtype) -> [(weight, bias the layer passes)] of every linear layer routed through `linear`;
-    with gated, of every gate/up layer (`is_gate_up`) routed through `gated_linear`, N being the
-    output width (half the weight's rows)."""
-    from nanoinfer.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
+def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """(N, K, dtype) -> [(weight, bias the layer passes)] of every linear layer routed through `linear`."""
+    from nanoinfer.layers.linear import LinearBase, RowParallelLinear
 
     groups: dict = {}
     for module in model.modules():
-        if gated and not (isinstance(module, MergedColumnParallelLinear) and module.is_gate_up):
-            continue
         if isinstance(module, LinearBase):
             weight = module.weight
             bias = module.bias
             if isinstance(module, RowParallelLinear) and module.tp_rank != 0:
                 bias = None
-            N = weight.shape[0] // 2 if gated else weight.shape[0]
-            groups.setdefault((N, weight.shape[1], weight.dtype), []).append((weight, bias))
+            groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append((weight, bias))
     return groups
 
 
@@ -474,46 +371,17 @@ def linear_weights(
 _TUNE_REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
-def _fastest(baseline: Callable, x: torch.Tensor, N: int, layers: list, min_calls: int, gated: bool
-             ) -> tuple[float, float, SkinnyConfig | None]:
-    """(baseline s, best s, best config or None for the baseline) per call of `baseline(x, w, b)`
-    against `skinny_linear(x, w, b, config=..., gated=gated)` at each of `candidate_configs`, every
-    side in one CUDA graph rotating over the layers' weights. A candidate whose result is off the
-    baseline's is logged and never chosen (a kernel that is wrong on this GPU, say a split-K race)."""
-    (M, K), dtype = x.shape, x.dtype
-    rounds = math.ceil(min_calls / len(layers))
-    w, b = layers[0]
-    expected = baseline(x, w, b).float()
-    best, t_best = None, graph_seconds_per_call([functools.partial(baseline, x, w, b) for w, b in layers] * rounds)
-    t_baseline = t_best
-    for config in candidate_configs(M, N, K, num_sms(x.device), dtype):
-        out = skinny_linear(x, w, b, config=config, gated=gated).float()
-        error = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
-        if not error <= _TUNE_REL_TOL[dtype]:
-            logger.error("skinny GEMM%s %dx%dx%d %s %s: relative error %.2g vs %s; not used",
-                         " (gated)" if gated else "", M, N, K, dtype, config, error, baseline.__name__)
-            continue
-        t = graph_seconds_per_call([functools.partial(skinny_linear, x, w, b, config=config, gated=gated)
-                                    for w, b in layers] * rounds)
-        if t < t_best:
-            best, t_best = config, t
-    return t_baseline, t_best, best
-
-
 @torch.inference_mode()
 def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_calls: int = 64) -> dict:
     """Time `F.linear` against `skinny_linear` at each of `candidate_configs` once per (M bucket
     <= 16, N, K, dtype) of the model's linear layers and record the fastest for `linear`
-    (a config, or None for cuBLAS). Then, for each gate/up layer shape (N: the output width),
-    time `unfused_gated_linear` (the projection as just tuned, then SiLU-and-mul) against the
-    gated kernel at each candidate and record the fastest for `gated_linear`.
+    (a config, or None for cuBLAS).
 
     Each timing replays a CUDA graph of >= `min_calls` calls that rotate over every layer's own
     weight of that shape (28 distinct matrices for Qwen3-0.6B), so the weights stream from HBM
     as in a decode step rather than sitting in L2; graphs also hide launch overhead. Both sides
     run on the same random x. Set NANOINFER_SKINNY_GEMM=0 to skip (everything stays cuBLAS).
-    Returns {(M, N, K, dtype): (cublas_us, best_us, best config or None)} and
-    {("gated", M, N, K, dtype): (unfused_us, best_us, best config or None)}."""
+    Returns {(M, N, K, dtype): (cublas_us, best_us, best config or None)}."""
     if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0":
         return {}
     groups = linear_weights(model)
@@ -525,27 +393,30 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
     ms = sorted({skinny_dispatch.m_bucket(b) for b in buckets if 1 <= b <= MAX_M})
     start = time.perf_counter()
     results = {}
-    # The plain choices first: the gated kernel's baseline runs the projection as `linear` will.
-    for gated, shapes, table, baseline in (
-        (False, groups, skinny_dispatch._choices, F.linear),
-        (True, linear_weights(model, gated=True), skinny_dispatch._gated_choices, skinny_dispatch.unfused_gated_linear),
-    ):
-        for (N, K, dtype), layers in shapes.items():
-            if dtype not in _SUPPORTED_DTYPES:
-                continue
-            for M in ms:
-                x = torch.randn(M, K, device=device, dtype=dtype)
-                t_baseline, t_best, best = _fastest(baseline, x, N, layers, min_calls, gated)
-                table[(M, N, K, dtype)] = best
-                key = ("gated", M, N, K, dtype) if gated else (M, N, K, dtype)
-                results[key] = (t_baseline * 1e6, t_best * 1e6, best)
-    logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/best us, * = skinny; gated: gate_up + SiLU-and-mul, "
-                "unfused/best us, * = fused): %s", time.perf_counter() - start,
-                ", ".join(_describe(key, *value) for key, value in results.items()))
+    for (N, K, dtype), layers in groups.items():
+        if dtype not in _SUPPORTED_DTYPES:
+            continue
+        rounds = math.ceil(min_calls / len(layers))
+        for M in ms:
+            x = torch.randn(M, K, device=device, dtype=dtype)
+            w, b = layers[0]
+            expected = F.linear(x, w, b).float()
+            cublas = [functools.partial(F.linear, x, w, b) for w, b in layers] * rounds
+            best, t_best = None, graph_seconds_per_call(cublas)
+            t_cublas = t_best
+            for config in candidate_configs(M, N, K, num_sms(device), dtype):
+                out = skinny_linear(x, w, b, config=config).float()
+                error = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+                if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins
+                    logger.error("skinny GEMM %dx%dx%d %s %s: relative error %.2g vs cuBLAS; not used", M, N, K,
+                                 dtype, config, error)
+                    continue
+                t = graph_seconds_per_call([functools.partial(skinny_linear, x, w, b, config=config)
+                                            for w, b in layers] * rounds)
+                if t < t_best:
+                    best, t_best = config, t
+            skinny_dispatch._choices[(M, N, K, dtype)] = best
+            results[(M, N, K, dtype)] = (t_cublas * 1e6, t_best * 1e6, best)
+    logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/best us, * = skinny): %s", time.perf_counter() - start,
+                ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if c else ''}" for (m, n, k, _), (a, b, c) in results.items()))
     return results
-
-
-def _describe(key: tuple, t_baseline: float, t_best: float, best: SkinnyConfig | None) -> str:
-    """One tuning result for the log: "[gated ]MxNxK baseline/best us", * where the kernel won."""
-    *gated, M, N, K, _ = key
-    return f"{'gated ' if gated else ''}{M}x{N}x{K} {t_baseline:.1f}/{t_best:.1f}{'*' if best else ''}"

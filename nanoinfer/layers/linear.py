@@ -9,8 +9,7 @@ partial outputs over ranks.
 
 Every forward's matmul goes through `nanoinfer.layers.skinny_dispatch.linear`:
 `F.linear`, except for decode-sized inputs on a GPU where the start-up tuning
-found the skinny Triton kernel faster. A gate/up layer's `silu_and_mul` goes
-through `gated_linear`, which may fuse the activation into that kernel.
+found the skinny Triton kernel faster.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
-from nanoinfer.layers.skinny_dispatch import gated_linear, linear
+from nanoinfer.layers.skinny_dispatch import linear
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -92,18 +91,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             divide(size, tp_world_size(), "output_size")
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
-
-    @property
-    def is_gate_up(self) -> bool:
-        """Two projections of equal size, as an MLP's gate and up: `silu_and_mul` applies."""
-        return len(self.output_sizes) == 2 and self.output_sizes[0] == self.output_sizes[1]
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the two projections: the MLP's gate_up and activation, one kernel where
-        the start-up tuning found the fused form faster (`gated_linear`)."""
-        if not self.is_gate_up:
-            raise ValueError(f"silu_and_mul needs two equal projections (gate, up), got {self.output_sizes}")
-        return gated_linear(x, self.weight, self.bias)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
