@@ -1,5 +1,4 @@
-"""Skinny matmul for decode: `y = x @ W^T + b` with few rows (M <= 16), and the
-same kernel with ordinary tiles for decode batches of 17-256 rows.
+"""Skinny matmul for decode: `y = x @ W^T + b` with few rows (M <= 16).
 
 At decode batch sizes a linear layer is a matrix-vector product: the whole
 weight is read once to produce a handful of output rows, so its time is the
@@ -35,11 +34,6 @@ Design:
 * On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
   programs start while the previous kernel finishes and wait only before loading x;
   they release the next kernel once their K loop is done.
-* Decode batches of 17-256 rows (`_medium_config`): 64- or 128-row tiles
-  (row tiles as a third grid dimension, each with its own arrival counter),
-  split-K again only to fill the SMs. cuBLAS's kernels for a 256 x 1024
-  output launch ~32 CTAs on 132 SMs (o_proj / down of Qwen3-0.6B, ~6.5 us
-  each in the batch-256 profile, where bytes and flops allow ~2-3).
 * Launch parameters are pure functions of host ints: `choose_config(M, N, K,
   num_sms, dtype)`, the heuristic, and `candidate_configs`, the few configs
   the start-up tuning times per shape (no Triton autotuning: it would re-tune
@@ -47,7 +41,7 @@ Design:
 
 Dispatch (layers/skinny_dispatch.py, free of triton): `linear(x, weight, bias)` is what the
 model's linear layers call. It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
-without enforce_eager), x is 2-D on CUDA with 1 <= M <= 256, and the choice
+without enforce_eager), x is 2-D on CUDA with 1 <= M <= 16, and the choice
 table holds a config for this (M bucket, N, K, dtype): the fastest candidate, where it beat
 cuBLAS. `tune_skinny_gemm` fills the table once at start-up, timing inside CUDA graphs.
 Everything else (CPU, prefill, large batches) is `F.linear`.
@@ -82,7 +76,6 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ----- launch heuristic (retune from `bench/kernels.py --gemm` on the GPU) -----
 
 _BLOCK_M = 16  # tl.dot's smallest tile; x rows >= M are masked
-_MEDIUM_BLOCK_K = 64  # M > 16: standard matmul tiles (BLOCK_M x BLOCK_N outputs per program)
 _ROW_BYTES_PER_STEP = 512  # weight bytes per row per K step: BLOCK_K = 256 for 16-bit types
 _MAX_SPLIT_K = 16
 _MAX_STAGES = 4
@@ -105,11 +98,7 @@ class SkinnyConfig:
         return triton.cdiv(triton.cdiv(K, self.block_k), self.split_k) * self.block_k
 
     def grid(self, N: int) -> tuple[int, int]:
-        """(column tiles, K splits); a launch for M rows adds `m_tiles(M)` as its third dimension."""
         return triton.cdiv(N, self.block_n), self.split_k
-
-    def m_tiles(self, M: int) -> int:
-        return triton.cdiv(M, self.block_m)
 
 
 def _has_empty_split(split: int, k_steps: int) -> bool:
@@ -126,23 +115,11 @@ def _fill_split(tiles: int, k_steps: int, num_sms: int) -> int:
     return split
 
 
-def _config(block_n: int, block_k: int, split: int, k_steps: int, block_m: int = _BLOCK_M) -> SkinnyConfig:
+def _config(block_n: int, block_k: int, split: int, k_steps: int) -> SkinnyConfig:
     """num_stages: up to _MAX_STAGES tiles in flight per program, fewer when a split has fewer
-    steps (less shared memory, more programs resident per SM); 8 warps for 128-row tiles."""
-    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=8 if block_m >= 128 else _NUM_WARPS,
-                        num_stages=max(2, min(_MAX_STAGES, triton.cdiv(k_steps, split) + 1)), block_m=block_m)
-
-
-def _medium_config(M: int, N: int, K: int, num_sms: int, block_m: int, block_n: int) -> SkinnyConfig:
-    """A 16 < M <= 256 launch: block_m x block_n output tiles (clamped to M and N), 64-element
-    K steps, K split only as far as filling the SMs needs (cuBLAS leaves them mostly idle on
-    N=1024 shapes: 32 tiles at M=256)."""
-    block_m = min(block_m, triton.next_power_of_2(M))
-    block_n = min(block_n, max(16, triton.next_power_of_2(N)))
-    block_k = min(_MEDIUM_BLOCK_K, max(16, triton.next_power_of_2(K)))
-    k_steps = triton.cdiv(K, block_k)
-    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
-    return _config(block_n, block_k, _fill_split(tiles, k_steps, num_sms), k_steps, block_m)
+    steps (less shared memory, more programs resident per SM)."""
+    return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=_NUM_WARPS,
+                        num_stages=max(2, min(_MAX_STAGES, triton.cdiv(k_steps, split) + 1)))
 
 
 def _block_k(row_bytes: int, K: int, dtype: torch.dtype) -> int:
@@ -161,15 +138,11 @@ def choose_config(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype = tor
       while every split keeps at least one K step (no empty split).
     * num_stages: up to 4 tiles in flight per program, fewer when a split has
       fewer steps (less shared memory, more programs resident per SM).
-    * M > 16 (decode batches of 17-256): 64 x 64 output tiles, split K to fill
-      the SMs (`_medium_config`).
     """
     if not 1 <= M <= MAX_M:
         raise ValueError(f"skinny GEMM is for 1 <= M <= {MAX_M} rows, got M={M}")
     if N < 1 or K < 1:
         raise ValueError(f"N and K must be positive, got N={N}, K={K}")
-    if M > _BLOCK_M:
-        return _medium_config(M, N, K, num_sms, 64, 64)
     block_k = _block_k(_ROW_BYTES_PER_STEP, K, dtype)
     block_n = min(16 if M <= 8 else 32, max(16, triton.next_power_of_2(N)))
     tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
@@ -180,16 +153,8 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype =
     """What the start-up tuning times for one shape: the heuristic's config, and 32-column tiles
     with half-size K steps at the heuristic's split rule and at twice that split. The second family
     won every Qwen3-8B TP=2 shape in the sweep (`bench/kernels.py --gemm`, bench/NOTES.md) by 5-28%
-    over the heuristic, which still wins the small 0.6B shapes; the right split varies per shape.
-    For M > 16: output tiles of 64 or 128 rows by 64 or 128 columns."""
+    over the heuristic, which still wins the small 0.6B shapes; the right split varies per shape."""
     base = choose_config(M, N, K, num_sms, dtype)
-    if M > _BLOCK_M:
-        configs = [base]
-        for block_m, block_n in ((64, 128), (128, 64), (128, 128)):
-            config = _medium_config(M, N, K, num_sms, block_m, block_n)
-            if config not in configs:
-                configs.append(config)
-        return configs
     block_n = max(base.block_n, min(32, max(16, triton.next_power_of_2(N))))
     block_k = _block_k(_ROW_BYTES_PER_STEP // 2, K, dtype)
     tiles, k_steps = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
@@ -241,9 +206,7 @@ def _skinny_gemm_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    tile_id = pid_m * tl.num_programs(0) + pid_n  # its arrival counter
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
@@ -279,7 +242,7 @@ def _skinny_gemm_kernel(
         tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask_mn)
         # Every thread's partial is stored before the (one-thread, acq_rel, GPU-scope) arrival.
         tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + tile_id, 1)
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1)
         if arrived == SPLIT_K - 1:
             # Last to arrive: sum all splits in split order (bitwise the same whoever is last).
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -289,7 +252,7 @@ def _skinny_gemm_kernel(
                 other = tl.load(partial_ptr + s * M * N + tile, mask=mask_mn & (split_ids != s), other=0.0,
                                 cache_modifier=".cg")
                 total += tl.where(mine, acc, other)
-            tl.store(counter_ptr + tile_id, 0)
+            tl.store(counter_ptr + pid_n, 0)
             _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
 
 
@@ -332,16 +295,16 @@ def skinny_linear(
     N = weight.shape[0]
     if config is None:
         config = choose_config(M, N, K, num_sms(x.device), x.dtype)
-    elif config.block_m < 16 or config.block_m & (config.block_m - 1) or config.split_k < 1:
-        raise ValueError(f"config {config}: block_m must be a power of two >= 16 and split_k >= 1")
+    elif config.block_m < M or config.split_k < 1:
+        raise ValueError(f"config {config} cannot cover M={M}")
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
-    grid = (*config.grid(N), config.m_tiles(M))
+    grid = config.grid(N)
     if config.split_k > 1:
         partial = torch.empty((config.split_k, M, N), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, grid[0] * grid[2])
+        counters = arrival_counters(x.device, grid[0])
     else:
         partial = counters = out  # unused
     _skinny_gemm_kernel[grid](
@@ -411,7 +374,7 @@ _TUNE_REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 @torch.inference_mode()
 def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_calls: int = 64) -> dict:
     """Time `F.linear` against `skinny_linear` at each of `candidate_configs` once per (M bucket
-    <= 256, N, K, dtype) of the model's linear layers and record the fastest for `linear`
+    <= 16, N, K, dtype) of the model's linear layers and record the fastest for `linear`
     (a config, or None for cuBLAS).
 
     Each timing replays a CUDA graph of >= `min_calls` calls that rotate over every layer's own

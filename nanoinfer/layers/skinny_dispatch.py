@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-MAX_M = 256  # rows the skinny kernel takes (decode batches; longer prefills stay with cuBLAS)
+MAX_M = 16  # rows the skinny kernel takes
 _enabled = False
 # (M bucket, N, K, dtype) -> the skinny kernel's launch config (a SkinnyConfig) where it beat
 # cuBLAS, None where cuBLAS won. Filled on CUDA by `tune_skinny_gemm`.
@@ -24,7 +24,7 @@ def set_skinny_gemm(enabled: bool) -> None:
 
 
 def m_bucket(M: int) -> int:
-    """Row counts share a choice per power of two (1, 2, 4, ..., 256)."""
+    """Row counts share a choice per power of two (1, 2, 4, 8, 16)."""
     return 1 << (M - 1).bit_length()
 
 

@@ -56,7 +56,7 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         from nanoinfer.kernels.skinny_gemm import tune_skinny_gemm  # CUDA only: triton
 
-        tune_skinny_gemm(self.model, self.buckets)  # cuBLAS or our skinny GEMM per (M <= 256, N, K), before capture
+        tune_skinny_gemm(self.model, self.buckets)  # cuBLAS or our skinny GEMM per (M <= 16, N, K), before capture
         for bs in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
             metadata = self._metadata(bs)
             with set_forward_context(metadata):
