@@ -7,8 +7,6 @@
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 source "$(dirname "$0")/suite_common.sh"
-# Clocks and power limit: figures differ between machines of one kind (RESULTS.md), these may say why.
-nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit --format=csv,noheader
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -v -s -p no:cacheprovider --timeout 150

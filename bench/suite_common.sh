@@ -1,4 +1,4 @@
-# Sourced by bench/gpu_suite.sh and bench/tp_suite.sh: the device-call setup and `run`.
+# Sourced by bench/gpu_suite.sh and bench/tp_suite.sh: the device-call setup (which prints the GPUs) and `run`.
 # Logs go to $OUT unpiped (a pipe would wait for any worker process still holding it open).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -8,6 +8,8 @@ ulimit -c 0  # no core files: dumping a CUDA process's address space takes minut
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} NCCL_DEBUG=${NCCL_DEBUG:-WARN} NANOINFER_COMMIT=${NANOINFER_COMMIT:-unknown}
 what=${1:-all}
+# Clocks and power limit: figures differ between machines of one kind (RESULTS.md), these may say why.
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit --format=csv,noheader
 
 run() {  # run LIMIT_S NAME CMD...: one command under a time limit (SIGABRT: faulthandler shows where
   # it was), log to $OUT/NAME.log, then the log's result lines

@@ -7,8 +7,6 @@
 # Qwen3-8B shape at TP=1 (both on their own GPU, at the same time) and at TP=2. Each command has
 # its own time limit; pytest-timeout and faulthandler print where every thread was if one hangs.
 source "$(dirname "$0")/suite_common.sh"
-# Clocks and power limit: figures differ between machines of one kind (RESULTS.md), these may say why.
-nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit --format=csv,noheader
 EIGHT_B=(--model nanoinfer/configs/qwen3-8b.json --max-model-len 2048)
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run 400 tp_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_tp_gpu.py tests/test_all_reduce_kernel.py \
