@@ -24,6 +24,7 @@ class EngineConfig:
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's max_position_embeddings)")
     max_num_batched_tokens: int = _arg(8192, "token budget of one step (prefill chunks + decodes)")
     max_num_seqs: int = _arg(256, "most requests in one step")
+    kv_cache_dtype: str = _arg("auto", "KV cache element type (auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn, half the bytes of bf16, values stored unscaled, saturated at +-448)", ("auto", "fp8", "fp8_e4m3"))
     enable_prefix_caching: bool = _arg(True, "share KV blocks of equal prompt prefixes")
     kv_cache_memory_bytes: int | None = _arg(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: sized by gpu_memory_utilization)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")

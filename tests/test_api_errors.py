@@ -25,6 +25,7 @@ def test_unknown_engine_argument() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     (dict(block_size=0), "block_size must be a positive integer"),
     (dict(dtype="float8"), "dtype='float8' is not one of"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype='int8' is not one of"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(scheduling_policy="random"), "scheduling_policy"),
 ])

@@ -33,8 +33,8 @@ class TorchAttentionBackend:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = key.to(k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = value.to(v_cache.dtype)
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = to_cache_dtype(key, k_cache.dtype)
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = to_cache_dtype(value, v_cache.dtype)
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if metadata.is_decode_only:
@@ -78,15 +78,24 @@ class TorchAttentionBackend:
         v = v_cache[blocks].flatten(1, 2)[:, :max_len]
         mask = torch.arange(max_len, device=query.device)[None, :] < metadata.seq_lens[:num_seqs, None]  # [B, L]
         # Slots past a sequence's end hold stale (even non-finite) values: 0 x NaN would leak through.
-        k = k.masked_fill(~mask[:, :, None, None], 0)
-        v = v.masked_fill(~mask[:, :, None, None], 0)
+        k = k.to(query.dtype).masked_fill(~mask[:, :, None, None], 0)
+        v = v.to(query.dtype).masked_fill(~mask[:, :, None, None], 0)
         out = torch.empty_like(query)  # rows past the last sequence (padding) stay unwritten
         out[:num_seqs] = F.scaled_dot_product_attention(
             query[:num_seqs, :, None, :],  # [B, H, 1, D]
-            k.transpose(1, 2).to(query.dtype),
-            v.transpose(1, 2).to(query.dtype),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             attn_mask=mask[:, None, None, :],
             scale=scale,
             enable_gqa=query.shape[1] != k_cache.shape[2],
         )[:, :, 0, :]
         return out
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """K/V as the cache stores them: an fp8 cache saturates at its largest finite value (the Triton
+    kernel does the same) instead of depending on how a cast treats overflow."""
+    if cache_dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(cache_dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(cache_dtype)

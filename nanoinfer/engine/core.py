@@ -86,7 +86,7 @@ class EngineCore:
         self.num_blocks = self.runner.num_blocks
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
-                    self.num_blocks * self.runner.kv_block_bytes / 2**30, self.dtype, self.device)
+                    self.num_blocks * self.runner.kv_block_bytes / 2**30, self.runner.kv_cache_dtype, self.device)
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len)
         self.debug_checks = os.environ.get("NANOINFER_DEBUG_CHECKS", "0") == "1"
         # Overlap host work with the device: plan step N+1 while step N runs (also with TP:

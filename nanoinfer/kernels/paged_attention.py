@@ -333,8 +333,9 @@ def _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim {head_dim} unsupported: the Triton backend needs a power of two >= 16")
-    if query.dtype not in _SUPPORTED_DTYPES or k_cache.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtypes query={query.dtype} cache={k_cache.dtype}; use float16, bfloat16 or float32")
+    if query.dtype not in _SUPPORTED_DTYPES or k_cache.dtype not in _SUPPORTED_DTYPES + (torch.float8_e4m3fn,):
+        raise TypeError(f"unsupported dtypes query={query.dtype} cache={k_cache.dtype}; use float16, bfloat16 or "
+                        f"float32 (and float8_e4m3fn for the cache)")
     for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")

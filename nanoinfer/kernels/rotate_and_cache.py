@@ -49,6 +49,7 @@ def _rotate_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    CACHE_MAX: tl.constexpr,  # > 0: the cache's largest finite value (fp8), stores saturate to it
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -86,11 +87,21 @@ def _rotate_and_cache_kernel(
             kv_head = head - NUM_HEADS
             offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + offset + half, out1.to(dtype).to(cache_dtype))
-            tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, out2.to(dtype).to(cache_dtype))
+            tl.store(k_cache_ptr + offset + half, _cache_value(out1, dtype, cache_dtype, CACHE_MAX))
+            tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, _cache_value(out2, dtype, cache_dtype, CACHE_MAX))
             full = tl.arange(0, HEAD_DIM)
             v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + full)
-            tl.store(v_cache_ptr + offset + full, v.to(cache_dtype))
+            tl.store(v_cache_ptr + offset + full, _cache_value(v, dtype, cache_dtype, CACHE_MAX))
+
+
+@triton.jit
+def _cache_value(x, dtype: tl.constexpr, cache_dtype: tl.constexpr, CACHE_MAX: tl.constexpr):
+    """Rounded to the model dtype (as the PyTorch path's K/V are), then to the cache's; an fp8 cache
+    (CACHE_MAX > 0) saturates, as PyTorch's cast does."""
+    x = x.to(dtype)
+    if CACHE_MAX > 0:
+        x = tl.clamp(x.to(tl.float32), -CACHE_MAX, CACHE_MAX)
+    return x.to(cache_dtype)
 
 
 def rotate_and_cache(
@@ -154,6 +165,7 @@ def rotate_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
+        CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype == torch.float8_e4m3fn else 0.0,
         USE_PDL=pdl,
         num_warps=1 if head_dim <= 128 else 2,
         launch_pdl=pdl,

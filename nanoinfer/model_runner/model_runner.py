@@ -34,6 +34,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: set[int], tp_size: int = 1) -> None:
         self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
+        # fp8: K/V rounded to float8_e4m3fn as they are stored; attention upcasts them as it loads them.
+        self.kv_cache_dtype = dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         self.block_size = config.block_size
         self.eos_token_ids = eos_token_ids
         self.vocab_size = hf_config.vocab_size
@@ -62,7 +64,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
 
     def num_kv_blocks_for_budget(self) -> int:
         """How many blocks the configured memory budget holds on this rank."""
@@ -115,7 +117,7 @@ class ModelRunner:
         """The one preallocated KV tensor: [2, layers, blocks, block_size, kv_heads, head_dim]."""
         self.num_blocks = num_blocks
         self.kv_cache = torch.zeros(2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads,
-                                    self.head_dim, dtype=self.dtype, device=self.device)
+                                    self.head_dim, dtype=self.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model, self.kv_cache, self.attn_backend)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:

@@ -23,6 +23,15 @@ def test_fast_path_equals_reference_fp32() -> None:
     assert_greedy_close(reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
 
 
+def test_fast_path_with_fp8_kv_cache_equals_reference() -> None:
+    """kv_cache_dtype="fp8": the Triton kernels and the PyTorch reference path store the same fp8
+    K/V (round to nearest even, saturating) and read them back alike, so in fp32 they give the
+    same greedy tokens (up to near-ties)."""
+    kwargs = dict(load_format="dummy", dtype="float32", kv_cache_dtype="fp8")
+    reference = greedy(CONFIG, attention_backend="torch", enforce_eager=True, **kwargs)
+    assert_greedy_close(reference, greedy(CONFIG, **kwargs))
+
+
 def test_fast_path_bf16_tracks_fp32_like_the_reference_path() -> None:
     """bf16 rounds coarsely enough that greedy sequences soon leave the fp32 ones at some near-tie.
     The fast path in bf16 must follow the fp32 reference about as long as the PyTorch reference

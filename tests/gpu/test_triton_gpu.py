@@ -69,6 +69,20 @@ def test_decode_batches(dtype, head_dim, num_heads, num_kv_heads, num_splits):
         assert rel_err(out, reference(query, k_cache, v_cache, md, scale), batch) < REL_TOL[dtype], f"batch {batch}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+def test_fp8_cache_mixed_and_decode(dtype, num_heads, num_kv_heads):
+    """An fp8 KV cache (kv_cache_dtype="fp8"): mixed batches and decode batches up to 256 give the
+    reference's output over the same fp8 values."""
+    q_lens, seq_lens = mixed_lengths(seed=num_heads + num_kv_heads)
+    batches = [(q_lens, seq_lens)] + [([1] * b, random.Random(b).choices(LENGTHS, k=b)) for b in (1, 7, 256)]
+    for q_lens, seq_lens in batches:
+        query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, 128, dtype)
+        k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        out = TritonAttentionBackend().forward(query, k8, v8, md, 128**-0.5)
+        assert rel_err(out, reference(query, k8, v8, md, 128**-0.5), sum(q_lens)) < REL_TOL[dtype], f"{len(q_lens)} seqs"
+
+
 def test_float32_uses_exact_dot():
     q_lens, seq_lens = mixed_lengths(seed=3)
     query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 8, 2, 128, torch.float32)
