@@ -50,6 +50,7 @@ class PagedAttentionConfig:
 # Tile shapes and both constants come from bench/kernels.py sweeps on an H200.
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 32
+_FP8_F16_DOTS = False
 _DECODE_BLOCK_N = 64
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
 
@@ -207,6 +208,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # the merge's split axis (>= num_splits, a power of two)
     DOT_PRECISION: tl.constexpr,
+    F16_DOTS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -238,6 +240,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None],
         other=0.0,
     )
+    if F16_DOTS:
+        q = q.to(tl.float16)  # K/V (and P) follow q's dtype in the dots
 
     # Context this tile needs, cut into num_splits BLOCK_N-aligned ranges.
     kv_end = tl.minimum(seq_len, seq_len - q_len + first_tok + BLOCK_Q)
@@ -417,6 +421,7 @@ def paged_attention(
         SPLIT=split,
         MAX_SPLITS=max(_MAX_SPLITS, triton.next_power_of_2(config.num_splits)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        F16_DOTS=_FP8_F16_DOTS and k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

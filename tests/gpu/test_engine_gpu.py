@@ -23,13 +23,20 @@ def test_fast_path_equals_reference_fp32() -> None:
     assert_greedy_close(reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
 
 
-def test_fast_path_with_fp8_kv_cache_equals_reference() -> None:
-    """kv_cache_dtype="fp8": the Triton kernels and the PyTorch reference path store the same fp8
-    K/V (round to nearest even, saturating) and read them back alike, so in fp32 they give the
-    same greedy tokens (up to near-ties)."""
-    kwargs = dict(load_format="dummy", dtype="float32", kv_cache_dtype="fp8")
-    reference = greedy(CONFIG, attention_backend="torch", enforce_eager=True, **kwargs)
-    assert_greedy_close(reference, greedy(CONFIG, **kwargs))
+def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path() -> None:
+    """kv_cache_dtype="fp8": K/V rounded to float8_e4m3fn as they are stored. Two correct paths can
+    round a K/V value to neighbouring fp8 values (its fp32 input differs in the last bits), a 6%
+    step, so they are not equal up to fp32 near-ties; instead the fast path with an fp8 cache must
+    follow the fp32 full-precision tokens about as long as the PyTorch reference path with an fp8
+    cache does (a broken fp8 store or load leaves at once)."""
+    exact = greedy(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True)
+    reference = greedy(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True,
+                       kv_cache_dtype="fp8")
+    fast = greedy(CONFIG, load_format="dummy", dtype="float32", kv_cache_dtype="fp8")
+    fast_prefix, reference_prefix = common_prefix(exact, fast), common_prefix(exact, reference)
+    print(f"fp8-cache tokens equal to the fp32 cache's (mean of 32, of 64): fast path {fast_prefix:.1f}, "
+          f"reference path {reference_prefix:.1f}")
+    assert fast_prefix >= 0.7 * reference_prefix
 
 
 def test_fast_path_bf16_tracks_fp32_like_the_reference_path() -> None:
