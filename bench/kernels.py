@@ -1,5 +1,6 @@
 """GPU micro-benchmark of our paged-attention kernels, Qwen3-0.6B attention shape
-(16 query heads, 8 KV heads, head_dim 128, block 16, bf16).
+(16 query heads, 8 KV heads, head_dim 128, block 16, bf16 queries; the KV cache in
+bf16, or in fp8 with --kv-cache-dtype fp8).
 
 Decode time is one attention call, taken from CUDA-graph replays of many calls
 (as the engine's decode step runs), each call over its own block table into a
@@ -13,7 +14,7 @@ Qwen3-0.6B and Qwen3-8B (TP=2 shard) projection shapes: CUDA-graph replays of
 many calls rotating over enough weight copies to exceed L2 several times, so
 each call streams its weight from HBM; TB/s = weight bytes / time.
 
-Usage: PYTHONPATH=. python bench/kernels.py [--quick] [--gemm] [--json PATH]
+Usage: PYTHONPATH=. python bench/kernels.py [--quick] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -46,19 +47,21 @@ def copy_bandwidth() -> float:
 
 
 class Pool:
-    """One big bf16 K/V cache that every benchmark call draws blocks from."""
+    """One big K/V cache (bf16 or fp8) that every benchmark call draws blocks from."""
 
-    def __init__(self) -> None:
-        block_bytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * ELEM
+    def __init__(self, cache_dtype: torch.dtype = DTYPE) -> None:
+        block_bytes = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * cache_dtype.itemsize
         self.num_blocks = POOL_BYTES // block_bytes
-        kv = torch.randn(2, self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        kv = torch.empty(2, self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=cache_dtype)
+        for part in kv.view(-1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).split(1 << 12):  # no full-size bf16 temporary
+            part.copy_(torch.randn(part.shape, device="cuda", dtype=DTYPE))
         self.k_cache, self.v_cache = kv[0], kv[1]
         self.l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
         self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def decode_bytes(batch: int, ctx: int) -> int:
-    kv = batch * ctx * NUM_KV_HEADS * HEAD_DIM * ELEM * 2
+def decode_bytes(pool: Pool, batch: int, ctx: int) -> int:
+    kv = batch * ctx * NUM_KV_HEADS * HEAD_DIM * pool.k_cache.element_size() * 2
     table = batch * triton.cdiv(ctx, BLOCK_SIZE) * 4
     q_and_out = 2 * batch * NUM_HEADS * HEAD_DIM * ELEM
     return kv + table + q_and_out
@@ -67,7 +70,7 @@ def decode_bytes(batch: int, ctx: int) -> int:
 def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig):
     """Closures over disjoint block tables, enough of them to exceed L2 several times."""
     blocks_per_call = batch * triton.cdiv(ctx, BLOCK_SIZE)
-    per_call = decode_bytes(batch, ctx)
+    per_call = decode_bytes(pool, batch, ctx)
     reps = max(1, min(pool.num_blocks // blocks_per_call, triton.cdiv(L2_MULTIPLE * pool.l2_bytes, per_call), 512))
     perm = torch.randperm(pool.num_blocks, device="cuda").to(torch.int32)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -96,7 +99,7 @@ def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> 
 
 def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig) -> dict:
     seconds = graph_seconds_per_call(decode_calls(pool, batch, ctx, config), replays=20)
-    nbytes = decode_bytes(batch, ctx)
+    nbytes = decode_bytes(pool, batch, ctx)
     return {"batch": batch, "ctx": ctx, "splits": config.num_splits, "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
 
 
@@ -117,8 +120,8 @@ def prefill_case(pool: Pool, q_len: int, ctx: int):
 
     # Yardstick and reference: torch SDPA on the same keys laid out contiguously.
     q = query.transpose(0, 1).unsqueeze(0).contiguous()
-    k = pool.k_cache[block_tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
-    v = pool.v_cache[block_tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).contiguous()
+    k = pool.k_cache[block_tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).to(DTYPE).contiguous()
+    v = pool.v_cache[block_tables[0].long()].flatten(0, 1)[:ctx].transpose(0, 1).unsqueeze(0).to(DTYPE).contiguous()
     mask = None if q_len == ctx else torch.ones(q_len, ctx, device="cuda", dtype=torch.bool).tril(ctx - q_len)
 
     def sdpa() -> torch.Tensor:
@@ -161,8 +164,9 @@ def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
                          NUM_HEADS)
 
     ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
-    # qkv read, queries and K/V written, positions, slots and the cos/sin rows read.
-    nbytes = 2 * qkv.numel() * ELEM + num_tokens * (16 + 2 * HEAD_DIM * 4)
+    # qkv read, queries and K/V (in the cache's dtype) written, positions, slots and the cos/sin rows read.
+    kv_bytes = 2 * num_tokens * NUM_KV_HEADS * HEAD_DIM * pool.k_cache.element_size()
+    nbytes = qkv.numel() * ELEM + num_tokens * NUM_HEADS * HEAD_DIM * ELEM + kv_bytes + num_tokens * (16 + 2 * HEAD_DIM * 4)
     return {"tokens": num_tokens, "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
 
 
@@ -336,6 +340,8 @@ def main() -> None:
                         help="only the skinny-GEMM section (cuBLAS vs skinny_linear at M <= 16; with a config sweep unless --quick)")
     parser.add_argument("--gemm-model", choices=sorted(GEMM_SHAPES), default=None,
                         help="with --gemm: only this model's shapes")
+    parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
+                        help="the attention benchmarks' cache: bf16, or float8_e4m3fn as kv_cache_dtype='fp8' stores it")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -356,8 +362,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
         return
-    pool = Pool()
-    print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB")
+    pool = Pool(torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE)
+    results["kv_cache_dtype"] = str(pool.k_cache.dtype)
+    print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB"
+          f"  KV cache {pool.k_cache.dtype}")
     if not args.quick:
         results["decode_config_sweep"] = sweep_decode_configs(pool)
         results["split_sweep"] = sweep_splits(pool)
