@@ -97,7 +97,7 @@ def _rotate_and_cache_kernel(
 @triton.jit
 def _cache_value(x, dtype: tl.constexpr, cache_dtype: tl.constexpr, CACHE_MAX: tl.constexpr):
     """Rounded to the model dtype (as the PyTorch path's K/V are), then to the cache's; an fp8 cache
-    (CACHE_MAX > 0) saturates, as PyTorch's cast does."""
+    (CACHE_MAX > 0) saturates, as the PyTorch path (`to_cache_dtype`) does."""
     x = x.to(dtype)
     if CACHE_MAX > 0:
         x = tl.clamp(x.to(tl.float32), -CACHE_MAX, CACHE_MAX)
