@@ -16,39 +16,44 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "nanoinfer", "configs", "qwen3-0.6b.json")
 
 
-def test_fast_path_equals_reference_fp32() -> None:
-    """Dummy Qwen3-0.6B: Triton kernels, CUDA graphs and compiled fusions give the PyTorch
-    reference path's greedy tokens (up to near-ties, see greedy_compare)."""
-    reference = greedy(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True)
-    assert_greedy_close(reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
+REFERENCE_PATH = dict(attention_backend="torch", enforce_eager=True)  # the PyTorch path the CPU runs
 
 
-def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path() -> None:
-    """kv_cache_dtype="fp8": K/V rounded to float8_e4m3fn as they are stored. Two correct paths can
-    round a K/V value to neighbouring fp8 values (its fp32 input differs in the last bits), a 6%
-    step, so they are not equal up to fp32 near-ties; instead the fast path with an fp8 cache must
-    follow the fp32 full-precision tokens about as long as the PyTorch reference path with an fp8
-    cache does (a broken fp8 store or load leaves at once)."""
-    exact = greedy(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True)
-    reference = greedy(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True,
-                       kv_cache_dtype="fp8")
-    fast = greedy(CONFIG, load_format="dummy", dtype="float32", kv_cache_dtype="fp8")
-    fast_prefix, reference_prefix = common_prefix(exact, fast), common_prefix(exact, reference)
-    print(f"fp8-cache tokens equal to the fp32 cache's (mean of 32, of 64): fast path {fast_prefix:.1f}, "
+@pytest.fixture(scope="module")
+def fp32_reference() -> list:
+    """The PyTorch reference path in fp32 on dummy Qwen3-0.6B: the tokens every fast-path test
+    here is measured against (computed once for the module)."""
+    return greedy(CONFIG, load_format="dummy", dtype="float32", **REFERENCE_PATH)
+
+
+def assert_tracks_fp32_like_the_reference_path(fp32_reference: list, label: str, **engine_args) -> None:
+    """With a lossy setting (`engine_args`), greedy sequences soon leave the fp32 ones at some
+    near-tie, so the fast path cannot equal the fp32 tokens; it must follow them about as long as
+    the PyTorch reference path with the same setting does (a broken kernel leaves at once)."""
+    reference = greedy(CONFIG, load_format="dummy", **REFERENCE_PATH, **engine_args)
+    fast = greedy(CONFIG, load_format="dummy", **engine_args)
+    fast_prefix, reference_prefix = common_prefix(fp32_reference, fast), common_prefix(fp32_reference, reference)
+    print(f"{label} tokens equal to fp32's (mean of 32, of 64): fast path {fast_prefix:.1f}, "
           f"reference path {reference_prefix:.1f}")
     assert fast_prefix >= 0.7 * reference_prefix
 
 
-def test_fast_path_bf16_tracks_fp32_like_the_reference_path() -> None:
-    """bf16 rounds coarsely enough that greedy sequences soon leave the fp32 ones at some near-tie.
-    The fast path in bf16 must follow the fp32 reference about as long as the PyTorch reference
-    path in bf16 does (a broken kernel leaves at once)."""
-    exact = greedy(CONFIG, load_format="dummy", dtype="float32", attention_backend="torch", enforce_eager=True)
-    reference = greedy(CONFIG, load_format="dummy", dtype="bfloat16", attention_backend="torch", enforce_eager=True)
-    fast = greedy(CONFIG, load_format="dummy", dtype="bfloat16")
-    fast_prefix, reference_prefix = common_prefix(exact, fast), common_prefix(exact, reference)
-    print(f"bf16 tokens equal to fp32's (mean of 32, of 64): fast path {fast_prefix:.1f}, reference path {reference_prefix:.1f}")
-    assert fast_prefix >= 0.7 * reference_prefix
+def test_fast_path_equals_reference_fp32(fp32_reference: list) -> None:
+    """Dummy Qwen3-0.6B: Triton kernels, CUDA graphs and compiled fusions give the PyTorch
+    reference path's greedy tokens (up to near-ties, see greedy_compare)."""
+    assert_greedy_close(fp32_reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
+
+
+def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
+    """kv_cache_dtype="fp8": K/V rounded to float8_e4m3fn as they are stored. Two correct paths can
+    round a K/V value to neighbouring fp8 values (its fp32 input differs in the last bits), a 6%
+    step, so they are not equal up to fp32 near-ties."""
+    assert_tracks_fp32_like_the_reference_path(fp32_reference, "fp8-cache", dtype="float32", kv_cache_dtype="fp8")
+
+
+def test_fast_path_bf16_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
+    """bf16 rounds coarsely enough that greedy sequences soon leave the fp32 ones at some near-tie."""
+    assert_tracks_fp32_like_the_reference_path(fp32_reference, "bf16", dtype="bfloat16")
 
 
 def test_smollm2_fast_path_equals_the_cpu() -> None:
