@@ -85,9 +85,6 @@ def _all_reduce_add_rms_norm_kernel(
     mask = cols < hidden
     region = rank * region_size  # our region in every rank's buffer
     if USE_PDL:
-        # The next kernel (a matmul) may launch now: its programs take the SMs we leave idle and
-        # are ready when we end (we are one wave: at most MAX_PROGRAMS programs). -1% TPOT at TP=2.
-        tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     epoch = tl.load(epoch_ptr + program) + 1
     # Every thread has read the count before one stores the next (a warp that read it late
@@ -115,6 +112,8 @@ def _all_reduce_add_rms_norm_kernel(
                 while tl.sum(((word >> 32) != epoch).to(tl.int32), axis=0) > 0:
                     word = tl.load(words, mask=mask, other=tag, volatile=True)
                 total += word.to(BITS).to(partial_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         _add_norm_store(total, partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, offsets, cols,
                         mask, hidden, eps, HAS_RESIDUAL)
     else:
@@ -139,6 +138,8 @@ def _all_reduce_add_rms_norm_kernel(
                 while tl.atomic_add(flag, 0, sem="acquire", scope="sys") != epoch:
                     pass
         tl.debug_barrier()  # ... and every thread's reads of the peers' rows after the acquire
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         own_buffer = tl.load(buffer_ptrs + rank).to(tl.pointer_type(dtype))
         for row in range(first, last):
             offsets = row * hidden + cols

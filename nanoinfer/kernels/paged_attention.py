@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels import arrival_counters, num_sms, pdl_enabled
+from nanoinfer.kernels import arrival_counters, pdl_enabled
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,8 +56,6 @@ _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 32
 _DECODE_BLOCK_N = 64
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
-# A decode launch of at most this many programs per SM is resident at once (2 warps each).
-_RESIDENT_PER_SM = 2
 
 
 def _decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
@@ -215,13 +213,10 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     USE_PDL: tl.constexpr,
-    EARLY_RELEASE: tl.constexpr,  # launch the next kernel at our start (we are one wave), not at our end
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if USE_PDL:
-        if EARLY_RELEASE:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()  # the query and this step's K/V come from the previous kernel
     if DECODE:
         seq = tl.program_id(0)
@@ -286,7 +281,7 @@ def _paged_attention_kernel(
         scale_log2, masked_start, kv_stop, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
     )
 
-    if USE_PDL and not EARLY_RELEASE:
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch while we store and merge
     has_keys = l_i > 0.0  # false only for a zero-length context (splits past the context left above)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -431,10 +426,6 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         USE_PDL=pdl,
-        # A small decode launch (every program resident at once) lets the next kernel, the o_proj
-        # matmul, launch at its start: its programs wait on idle SMs instead of launching after us.
-        # With several waves its waiting programs would take slots from our later ones.
-        EARLY_RELEASE=config.decode and math.prod(grid) <= _RESIDENT_PER_SM * num_sms(query.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
