@@ -5,6 +5,7 @@ in the front end (`LLMEngine`), so the core can run in its own process."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
@@ -43,11 +44,15 @@ def _freeze_startup_heap() -> None:
     """What the process holds before its first engine (torch, transformers: ~4 x 10^5 objects) is
     not garbage: take it out of the collector's view, so that each full collection during a run
     (the requests' token lists trigger them) does not walk it again (~0.1-0.2 s each). Once per
-    process: engines themselves stay collectable (a dropped engine, cycles included, must be freed)."""
+    process: engines themselves stay collectable (a dropped engine, cycles included, must be freed).
+    At exit the heap goes back to the collector: frozen objects are never collected, not even by
+    the interpreter's last collection, and extension modules that count their live objects at
+    shutdown (triton's bindings, which torch imports) would print every one of them as a leak."""
     global _heap_frozen
     if not _heap_frozen:
         gc.collect()
         gc.freeze()
+        atexit.register(gc.unfreeze)
         _heap_frozen = True
 
 
