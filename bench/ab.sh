@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# A/B the single-stream latency (bench/latency.py) of several builds of the engine in one device call, interleaved,
+# so that they share one machine (figures differ more between machines than between most changes: RESULTS.md).
+#
+#   here:    bash bench/ab.sh prepare REV [REV...]   # each REV's nanoinfer/ into .cache/ab/REV (git-ignored)
+#   device:  NANOINFER_COMMIT=<working tree's hash> bash bench/ab.sh run tp2|tp1 [ROUNDS] BUILD [BUILD...]
+#            with carry [".cache/ab"]
+#
+# A BUILD is a prepared REV or "." (the working tree), optionally followed by environment settings for its runs:
+# "aa77a32,NANOINFER_SKINNY_PREFER=1.3". tp2: each build at TP=2, ROUNDS times (default 2) in turn, then the first
+# build at TP=1 on both GPUs at once (the ratio's denominator: the GPUs of one machine differ by up to 3%).
+# tp1: each build at TP=1 on both GPUs at once, ROUNDS times. AB_MODEL (default the Qwen3-8B shape) and
+# AB_ARGS (default "--max-model-len 2048 --iters 2") set the model and latency.py's other flags.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mode=${1:?usage: bash bench/ab.sh prepare REV... | run tp2|tp1 [ROUNDS] BUILD...}
+shift
+
+if [ "$mode" = prepare ]; then
+  for rev in "$@"; do
+    hash=$(git rev-parse --short "$rev") || exit 1
+    rm -rf ".cache/ab/$hash" && mkdir -p ".cache/ab/$hash"
+    git archive "$hash" nanoinfer | tar -x -C ".cache/ab/$hash" && echo "prepared .cache/ab/$hash ($rev)"
+  done
+  exit 0
+fi
+[ "$mode" = run ] || { echo "unknown mode $mode" >&2; exit 2; }
+tp=${1:?tp2 or tp1}; shift
+rounds=2
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then rounds=$1; shift; fi
+source bench/suite_common.sh none
+read -r -a args <<< "${AB_ARGS:---max-model-len 2048 --iters 2}"
+model=${AB_MODEL:-nanoinfer/configs/qwen3-8b.json}
+
+latency() {  # latency NAME BUILD [latency.py flags...]: one run of BUILD, its settings applied
+  local name=$1 build=$2; shift 2
+  local rev=${build%%,*} settings=() tree=$PWD commit=$NANOINFER_COMMIT
+  [[ $build == *,* ]] && IFS=, read -r -a settings <<< "${build#*,}"
+  if [ "$rev" != . ]; then
+    tree=$PWD/.cache/ab/$rev commit=$rev
+    [ -d "$tree/nanoinfer" ] || { echo "== $name: $tree not prepared (bench/ab.sh prepare $rev)"; return; }
+  fi
+  run 180 "$name" env "${settings[@]}" NANOINFER_COMMIT="$commit" PYTHONPATH="$tree:$PWD" python3 -X faulthandler \
+    bench/latency.py --model "$model" "${args[@]}" "$@" --json-out "$OUT/results.jsonl"
+}
+label() { echo "$1" | tr -c 'A-Za-z0-9_=.\n' '_'; }  # a build as a log-file name
+
+for ((i = 1; i <= rounds; i++)); do
+  for build in "$@"; do
+    if [ "$tp" = tp2 ]; then
+      latency "tp2_$(label "$build")_$i" "$build" --tensor-parallel-size 2
+    else
+      CUDA_VISIBLE_DEVICES=0 latency "tp1_$(label "$build")_gpu0_$i" "$build" &
+      CUDA_VISIBLE_DEVICES=1 latency "tp1_$(label "$build")_gpu1_$i" "$build"
+      wait
+    fi
+  done
+done
+if [ "$tp" = tp2 ]; then
+  CUDA_VISIBLE_DEVICES=0 latency "tp1_$(label "$1")_gpu0" "$1" &
+  CUDA_VISIBLE_DEVICES=1 latency "tp1_$(label "$1")_gpu1" "$1"
+  wait
+fi
+echo "== TPOT / TTFT ms per run (log: build, settings, round)"
+grep -H "^RESULT" "$OUT"/tp*.log | python3 -c "
+import json, sys
+for line in sys.stdin:
+    log, result = line.split(':RESULT ', 1)
+    r = json.loads(result)
+    print(f\"{log.rsplit('/', 1)[-1][:-4]:60s} {r['commit']:>10s} {r['tpot_ms']:7.3f} {r['ttft_ms']:7.1f}\")"
