@@ -44,23 +44,22 @@ latency() {  # latency NAME BUILD [latency.py flags...]: one run of BUILD, its s
     bench/latency.py --model "$model" "${args[@]}" "$@" --json-out "$OUT/results.jsonl"
 }
 label() { echo "$1" | tr -c 'A-Za-z0-9_=.\n' '_'; }  # a build as a log-file name
+both_gpus() {  # both_gpus NAME BUILD: BUILD at TP=1 on GPU 0 and on GPU 1 at once
+  CUDA_VISIBLE_DEVICES=0 latency "${1}_gpu0" "$2" &
+  CUDA_VISIBLE_DEVICES=1 latency "${1}_gpu1" "$2"
+  wait
+}
 
 for ((i = 1; i <= rounds; i++)); do
   for build in "$@"; do
     if [ "$tp" = tp2 ]; then
       latency "tp2_$(label "$build")_$i" "$build" --tensor-parallel-size 2
     else
-      CUDA_VISIBLE_DEVICES=0 latency "tp1_$(label "$build")_gpu0_$i" "$build" &
-      CUDA_VISIBLE_DEVICES=1 latency "tp1_$(label "$build")_gpu1_$i" "$build"
-      wait
+      both_gpus "tp1_$(label "$build")_$i" "$build"
     fi
   done
 done
-if [ "$tp" = tp2 ]; then
-  CUDA_VISIBLE_DEVICES=0 latency "tp1_$(label "$1")_gpu0" "$1" &
-  CUDA_VISIBLE_DEVICES=1 latency "tp1_$(label "$1")_gpu1" "$1"
-  wait
-fi
+[ "$tp" = tp2 ] && both_gpus "tp1_$(label "$1")" "$1"
 echo "== TPOT / TTFT ms per run (log: build, settings, round)"
 grep -H "^RESULT" "$OUT"/tp*.log | python3 -c "
 import json, sys
