@@ -28,6 +28,7 @@ import torch
 import triton
 
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
+from nanoinfer.layers.attention import v_cache_view
 from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
 from nanoinfer.kernels.skinny_gemm import SkinnyConfig, graph_seconds_per_call, skinny_linear
 from nanoinfer.kernels.skinny_gemm import choose_config as choose_skinny_config
@@ -55,7 +56,7 @@ class Pool:
         kv = torch.empty(2, self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=cache_dtype)
         for part in kv.view(-1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).split(1 << 12):  # no full-size bf16 temporary
             part.copy_(torch.randn(part.shape, device="cuda", dtype=DTYPE))
-        self.k_cache, self.v_cache = kv[0], kv[1]
+        self.k_cache, self.v_cache = kv[0], v_cache_view(kv[1])  # the engine's layouts
         self.l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
         self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -93,7 +94,7 @@ def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig)
 def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> PagedAttentionConfig:
     return choose_config(
         num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, dtype=DTYPE, max_query_len=max_query_len,
-        num_seqs=batch, max_seq_len=ctx, num_sms=pool.num_sms,
+        num_seqs=batch, max_seq_len=ctx, num_sms=pool.num_sms, cache_dtype=pool.k_cache.dtype,
     )
 
 

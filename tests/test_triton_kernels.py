@@ -12,7 +12,8 @@ import torch
 from triton_child import RUN_HERE, interpreter_child, kernel_test
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.attention.torch_backend import TorchAttentionBackend
+from nanoinfer.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
+from nanoinfer.layers.attention import dim_major_view
 
 if RUN_HERE:
     from nanoinfer.attention import triton_backend
@@ -127,18 +128,52 @@ def test_decode_matches_reference(dtype, num_splits):
         assert int(arrival_counters(query.device, 1).abs().sum()) == 0
 
 
+def fp8_cache(k_cache, v_cache, metadata, *, dim_major_v: bool):
+    """make_batch's cache in fp8, as the engine keeps one: V dim-major inside each block (`dim_major_view`)
+    and, since such a V is read in whole blocks, finite in the unwritten tail of each sequence's last
+    block (300.0 here, what an earlier owner of the block might have left: weighting it would show);
+    spare blocks and table padding stay NaN. Returns K, V and V token-major (the same values)."""
+    v_cache = v_cache.clone()
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        v_cache[int(metadata.block_tables[i, (seq_len - 1) // BLOCK_SIZE]), (seq_len - 1) % BLOCK_SIZE + 1:] = 300.0
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)  # NaN stays NaN
+    if not dim_major_v:
+        return k8, v8, v8
+    v_dim = dim_major_view(torch.empty_like(v8))
+    v_dim.copy_(v8)
+    return k8, v_dim, v8
+
+
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [None, 4])  # None: a mixed batch; 4: split decode
-def test_fp8_cache_matches_reference_on_the_stored_values(dtype, num_splits):
+@pytest.mark.parametrize("dim_major_v", [True, False])
+def test_fp8_cache_matches_reference_on_the_stored_values(dtype, num_splits, dim_major_v):
     """An fp8 KV cache: the kernel upcasts K and V as it loads them (bf16 queries: the dots run in
-    fp16), so it gives the reference's output over the same fp8 values, at the query dtype's tolerance."""
+    fp16), so it gives the reference's output over the same fp8 values, at the query dtype's tolerance,
+    with V in the engine's dim-major layout and in K's."""
     q_lens, seq_lens = MIXED if num_splits is None else ([1] * 5, [1, 16, 17, 33, 70])
     query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, dtype)
-    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)  # the NaN slots stay NaN
+    k8, v8, v8_token_major = fp8_cache(k_cache, v_cache, md, dim_major_v=dim_major_v)
     overrides = {} if num_splits is None else dict(block_n=16, num_splits=num_splits)
     out = run_kernel(query, k8, v8, md, 0.125, **overrides)
-    assert rel_err(out, reference(query, k8, v8, md, 0.125), sum(q_lens)) < REL_TOL[dtype]
+    assert rel_err(out, reference(query, k8, v8_token_major, md, 0.125), sum(q_lens)) < REL_TOL[dtype]
+
+
+def test_dim_major_view_keeps_block_ids_and_puts_tokens_of_a_dim_together():
+    cache = torch.arange(3 * 4 * 2 * 8).view(3, 4, 2, 8)  # [blocks, block_size, kv_heads, head_dim]
+    view = dim_major_view(cache)
+    assert view.shape == cache.shape and view.stride()[1] == 1 and view.data_ptr() == cache.data_ptr()
+    # In memory: block, then head, then dim, then slot.
+    assert view[2, 3, 1, 5].item() == 2 * 64 + 1 * 32 + 5 * 4 + 3
+    view[1, 2, 0, 7] = -1  # writes through the view land in the same block's bytes
+    assert (cache[1] == -1).sum().item() == 1 and (cache[0] >= 0).all() and (cache[2] >= 0).all()
+
+
+def test_fp8_cache_values_are_finite():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), -1000.0, 1.5, -0.0])
+    assert to_cache_dtype(x, torch.float8_e4m3fn).float().tolist() == [0.0, 448.0, -448.0, -448.0, 1.5, 0.0]
+    assert to_cache_dtype(x, torch.float32)[0].isnan()  # other caches store what they are given
 
 
 def make_qkv_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, *, qk_norm, seed=1):
@@ -192,25 +227,31 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
      (torch.bfloat16, torch.float8_e4m3fn)],
 )
 @pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dim_major_v", [False, True])
 @kernel_test
-def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm):
+def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm, dim_major_v):
     """Against the PyTorch path (norms, rotary, KV write as separate ops): the same rounding
     steps, so within two ulps of the output dtype at the largest value (fused multiply-adds;
     Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest, at each of
     the norm's and the rotation's roundings). A wrong angle, sign or head is off by O(1).
-    An fp8 cache (GPU only): within one fp8 ulp, and a K and a V value of +-1000 saturate to +-448
-    in both paths."""
+    An fp8 cache (GPU only): within one fp8 ulp, a K and a V value of +-1000 saturate to +-448
+    and a NaN V value is stored as 0, in both paths. V in K's layout or dim-major (`dim_major_view`)."""
     if cache_dtype == torch.float8_e4m3fn and DEVICE == "cpu":
         pytest.skip("Triton's interpreter rounds to fp8 wrongly (a mantissa carry is lost: 1.99 -> 1.0); "
                     "the fp8 store is checked on the GPU, the fp8 loads here (test_fp8_cache_*)")
     num_heads, num_kv_heads, head_dim = 6, 3, 32
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, 6, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(DEVICE, cache_dtype)
+    if dim_major_v:
+        v_cache = dim_major_view(v_cache.contiguous())  # other values, same checks
     qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(9, num_heads, num_kv_heads, head_dim, dtype, qk_norm=qk_norm)
     qkv[0, num_heads * head_dim] = 1000.0  # token 0's first K and V values
     qkv[0, (num_heads + num_kv_heads) * head_dim] = -1000.0
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    if fp8:
+        qkv[1, (num_heads + num_kv_heads) * head_dim + 1] = float("nan")  # token 1's second V value
     slot_mapping = torch.tensor([0, 17, -1, 15, 16, 95, -1, 40, 63], dtype=torch.int64, device=DEVICE)
-    ref_k, ref_v, original_k = k_cache.clone(), v_cache.clone(), k_cache.clone()
+    ref_k, ref_v, original_k, original_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
     ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slot_mapping, num_heads)
     query = triton_backend.TritonAttentionBackend().rotate_and_cache(
         qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, num_heads)
@@ -222,24 +263,25 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
 
     assert_close(query, ref_q, dtype)
     assert_close(k_cache, ref_k, cache_dtype)
-    fp8 = cache_dtype == torch.float8_e4m3fn
     torch.testing.assert_close(v_cache.float(), ref_v.float(), rtol=ulp[cache_dtype] if dtype != cache_dtype else 0.0,
                                atol=2**-9 if fp8 else 0.0)  # fp8's subnormal step
     if fp8:
-        assert v_cache.flatten(0, 1)[0, 0, 0].item() == ref_v.flatten(0, 1)[0, 0, 0].item() == -448.0
+        assert v_cache[0, 0, 0, 0].item() == ref_v[0, 0, 0, 0].item() == -448.0  # slot 0
+        assert v_cache[1, 1, 0, 1].item() == ref_v[1, 1, 0, 1].item() == 0.0  # slot 17: NaN stored as 0
         assert k_cache.float().abs().max().item() == ref_k.float().abs().max().item() <= 448.0
     # Only the scheduled slots changed; the padding rows (-1) wrote nothing.
     untouched = torch.ones(6 * BLOCK_SIZE, dtype=torch.bool)
     untouched[[0, 17, 15, 16, 95, 40, 63]] = False
-    assert torch.equal(k_cache.flatten(0, 1)[untouched], original_k.flatten(0, 1)[untouched])
+    for cache, original in ((k_cache, original_k), (v_cache, original_v)):
+        assert torch.equal(cache.flatten(0, 1)[untouched], original.flatten(0, 1)[untouched])
 
 
 @kernel_test
 def test_choose_config_splits_only_when_sequences_leave_sms_idle():
-    def config(num_seqs, max_seq_len, max_query_len=1):
+    def config(num_seqs, max_seq_len, max_query_len=1, cache_dtype=None):
         return pa.choose_config(
             num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=max_query_len,
-            num_seqs=num_seqs, max_seq_len=max_seq_len, num_sms=132,
+            num_seqs=num_seqs, max_seq_len=max_seq_len, num_sms=132, cache_dtype=cache_dtype,
         )
 
     one_long = config(1, 2000)
@@ -253,6 +295,10 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     assert not prefill.decode and prefill.num_splits == 1
     assert prefill.block_q * 2 <= prefill.block_m <= 128
     assert config(4, 2000, max_query_len=5).block_m == 16  # short chunks get short tiles
+    # An fp8 cache takes 128-token steps where decode does not split (bench/RESULTS.md), 64 elsewhere.
+    fp8 = torch.float8_e4m3fn
+    assert config(64, 2000, cache_dtype=fp8).block_n == 128 and config(64, 2000).block_n == 64
+    assert config(16, 2000, cache_dtype=fp8).block_n == 64
 
 
 @kernel_test

@@ -33,8 +33,10 @@ class TorchAttentionBackend:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = to_cache_dtype(key, k_cache.dtype)
-        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = to_cache_dtype(value, v_cache.dtype)
+        block_size = k_cache.shape[1]
+        blocks, slots = slot_mapping // block_size, slot_mapping % block_size  # any layout (fp8 V is dim-major)
+        k_cache[blocks, slots] = to_cache_dtype(key, k_cache.dtype)
+        v_cache[blocks, slots] = to_cache_dtype(value, v_cache.dtype)
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         if metadata.is_decode_only:
@@ -93,9 +95,10 @@ class TorchAttentionBackend:
 
 
 def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """K/V as the cache stores them: an fp8 cache saturates at its largest finite value (the Triton
-    kernel does the same) instead of depending on how a cast treats overflow."""
+    """K/V as the cache stores them: an fp8 cache saturates at its largest finite value and stores NaN
+    as 0 (the Triton kernel does the same), so it holds only finite values: the Triton decode kernel
+    reads a dim-major V in whole blocks, and a stale NaN past the context would survive its 0 weight."""
     if cache_dtype == torch.float8_e4m3fn:
         limit = torch.finfo(cache_dtype).max
-        x = x.clamp(-limit, limit)
+        x = torch.nan_to_num(x, nan=0.0).clamp(-limit, limit)
     return x.to(cache_dtype)

@@ -37,6 +37,7 @@ class TritonAttentionBackend:
             num_seqs=metadata.num_seqs,
             max_seq_len=metadata.max_seq_len,
             num_sms=num_sms(query.device),  # steers decode splitting
+            cache_dtype=k_cache.dtype,
         )
 
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,

@@ -43,6 +43,10 @@ def _rotate_and_cache_kernel(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_vb,  # V's strides (an fp8 cache's V is dim-major inside each block)
+    stride_vs,
+    stride_vh,
+    stride_vd,
     eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -91,16 +95,18 @@ def _rotate_and_cache_kernel(
             tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, _cache_value(out2, dtype, cache_dtype, CACHE_MAX))
             full = tl.arange(0, HEAD_DIM)
             v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + full)
-            tl.store(v_cache_ptr + offset + full, _cache_value(v, dtype, cache_dtype, CACHE_MAX))
+            v_offset = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+            tl.store(v_cache_ptr + v_offset + full * stride_vd, _cache_value(v, dtype, cache_dtype, CACHE_MAX))
 
 
 @triton.jit
 def _cache_value(x, dtype: tl.constexpr, cache_dtype: tl.constexpr, CACHE_MAX: tl.constexpr):
     """Rounded to the model dtype (as the PyTorch path's K/V are), then to the cache's; an fp8 cache
-    (CACHE_MAX > 0) saturates, as the PyTorch path (`to_cache_dtype`) does."""
+    (CACHE_MAX > 0) saturates and stores NaN as 0, as the PyTorch path (`to_cache_dtype`) does."""
     x = x.to(dtype)
     if CACHE_MAX > 0:
-        x = tl.clamp(x.to(tl.float32), -CACHE_MAX, CACHE_MAX)
+        x = x.to(tl.float32)
+        x = tl.where(x != x, 0.0, tl.clamp(x, -CACHE_MAX, CACHE_MAX))
     return x.to(cache_dtype)
 
 
@@ -118,8 +124,8 @@ def rotate_and_cache(
     num_heads: int,
 ) -> torch.Tensor:
     """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] views with equal strides")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] views of one dtype")
     num_tokens = qkv.shape[0]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     if qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
@@ -159,6 +165,7 @@ def rotate_and_cache(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *v_cache.stride(),
         eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,

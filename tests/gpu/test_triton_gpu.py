@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 if torch.cuda.is_available():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_triton_kernels import REL_TOL, make_batch, make_qkv_inputs, reference, rel_err, run_kernel
+    from test_triton_kernels import REL_TOL, fp8_cache, make_batch, make_qkv_inputs, reference, rel_err, run_kernel
 
     from nanoinfer.attention.torch_backend import TorchAttentionBackend
     from nanoinfer.attention.triton_backend import TritonAttentionBackend
@@ -71,16 +71,18 @@ def test_decode_batches(dtype, head_dim, num_heads, num_kv_heads, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
-def test_fp8_cache_mixed_and_decode(dtype, num_heads, num_kv_heads):
+@pytest.mark.parametrize("dim_major_v", [True, False])
+def test_fp8_cache_mixed_and_decode(dtype, num_heads, num_kv_heads, dim_major_v):
     """An fp8 KV cache (kv_cache_dtype="fp8"): mixed batches and decode batches up to 256 give the
-    reference's output over the same fp8 values."""
+    reference's output over the same fp8 values, V dim-major (the engine's layout) or as K."""
     q_lens, seq_lens = mixed_lengths(seed=num_heads + num_kv_heads)
     batches = [(q_lens, seq_lens)] + [([1] * b, random.Random(b).choices(LENGTHS, k=b)) for b in (1, 7, 256)]
     for q_lens, seq_lens in batches:
         query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, num_heads, num_kv_heads, 128, dtype)
-        k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        k8, v8, v8_token_major = fp8_cache(k_cache, v_cache, md, dim_major_v=dim_major_v)
         out = TritonAttentionBackend().forward(query, k8, v8, md, 128**-0.5)
-        assert rel_err(out, reference(query, k8, v8, md, 128**-0.5), sum(q_lens)) < REL_TOL[dtype], f"{len(q_lens)} seqs"
+        ref = reference(query, k8, v8_token_major, md, 128**-0.5)
+        assert rel_err(out, ref, sum(q_lens)) < REL_TOL[dtype], f"{len(q_lens)} seqs"
 
 
 def test_float32_uses_exact_dot():
