@@ -18,6 +18,8 @@ weight multiply, rotation in float32, result rounded once.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -54,13 +56,29 @@ def _rotate_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     CACHE_MAX: tl.constexpr,  # > 0: the cache's largest finite value (fp8), stores saturate to it
+    HEADS_PER_PROGRAM: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
+    for i in tl.static_range(HEADS_PER_PROGRAM):  # unrolled: the heads' loads overlap
+        head = tl.program_id(1) * HEADS_PER_PROGRAM + i
+        if head < NUM_HEADS + NUM_KV_HEADS:
+            _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
+                                   stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
+                                   token, head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
+
+
+@triton.jit
+def _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                           k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
+                           stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token, head,
+                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, CACHE_MAX: tl.constexpr):
+    """One head of one token: a query head's rotated row to `query`, a KV head's K and V rows to the cache."""
     half = tl.arange(0, HEAD_DIM // 2)
     src = qkv_ptr + token * stride_qkv + head * HEAD_DIM  # q heads, then k heads, then v heads
     x1 = tl.load(src + half).to(tl.float32)
@@ -148,7 +166,8 @@ def rotate_and_cache(
         return query
     has_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
-    _rotate_and_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+    heads_per_program = int(os.environ.get("NANOINFER_ROPE_HEADS", "1"))  # PROBE
+    _rotate_and_cache_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, heads_per_program))](
         qkv,
         positions,
         cos_cache,
@@ -173,6 +192,7 @@ def rotate_and_cache(
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
         CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype == torch.float8_e4m3fn else 0.0,
+        HEADS_PER_PROGRAM=heads_per_program,
         USE_PDL=pdl,
         num_warps=1 if head_dim <= 128 else 2,
         launch_pdl=pdl,
