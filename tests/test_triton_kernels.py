@@ -227,15 +227,17 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
      (torch.bfloat16, torch.float8_e4m3fn)],
 )
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("dim_major_v", [False, True])
+@pytest.mark.parametrize("dim_major_v,heads_per_program", [(False, 1), (True, 1), (False, 4)])
 @kernel_test
-def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm, dim_major_v):
+def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm, dim_major_v,
+                                                              heads_per_program):
     """Against the PyTorch path (norms, rotary, KV write as separate ops): the same rounding
     steps, so within two ulps of the output dtype at the largest value (fused multiply-adds;
     Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest, at each of
     the norm's and the rotation's roundings). A wrong angle, sign or head is off by O(1).
     An fp8 cache (GPU only): within one fp8 ulp, a K and a V value of +-1000 saturate to +-448
-    and a NaN V value is stored as 0, in both paths. V in K's layout or dim-major (`dim_major_view`)."""
+    and a NaN V value is stored as 0, in both paths. V in K's layout or dim-major (`dim_major_view`); one
+    head per program, or four (9 heads: the last program has one)."""
     if cache_dtype == torch.float8_e4m3fn and DEVICE == "cpu":
         pytest.skip("Triton's interpreter rounds to fp8 wrongly (a mantissa carry is lost: 1.99 -> 1.0); "
                     "the fp8 store is checked on the GPU, the fp8 loads here (test_fp8_cache_*)")
@@ -253,8 +255,9 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
     slot_mapping = torch.tensor([0, 17, -1, 15, 16, 95, -1, 40, 63], dtype=torch.int64, device=DEVICE)
     ref_k, ref_v, original_k, original_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
     ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slot_mapping, num_heads)
-    query = triton_backend.TritonAttentionBackend().rotate_and_cache(
-        qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, slot_mapping, num_heads)
+    weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else (None, None, 0.0)
+    query = rc.rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache, *weights, k_cache, v_cache, slot_mapping,
+                                num_heads, heads_per_program)
     ulp = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float8_e4m3fn: 2**-3}
 
     def assert_close(out, ref, dtype):
@@ -274,6 +277,14 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
     untouched[[0, 17, 15, 16, 95, 40, 63]] = False
     for cache, original in ((k_cache, original_k), (v_cache, original_v)):
         assert torch.equal(cache.flatten(0, 1)[untouched], original.flatten(0, 1)[untouched])
+
+
+@kernel_test
+def test_heads_per_program_grows_with_the_launch():
+    assert rc.choose_heads_per_program(1, 24) == rc.choose_heads_per_program(64, 24) == 1  # decode: one each
+    assert rc.choose_heads_per_program(256, 24) == 4  # 1,536 programs
+    assert rc.choose_heads_per_program(8192, 24) == rc.choose_heads_per_program(8192, 48) == 8  # capped
+    assert rc.choose_heads_per_program(100, 24) == 1 and rc.choose_heads_per_program(200, 24) == 2  # powers of two
 
 
 @kernel_test

@@ -5,11 +5,13 @@ rows at their `slot_mapping` slots in the paged cache.
 
 Done as separate ops this was five to six small kernels per layer (norms, rotary,
 KV write), which at decode batch sizes cost far more in launches and poorly fused
-index math than their few kilobytes of traffic. One program handles one head of
-one token (query heads first, then KV heads, as the projection lays them out); a
-KV-head program also copies that head's V row. A slot of -1 marks a padding row
+index math than their few kilobytes of traffic. One program handles one or a few
+heads of one token (query heads first, then KV heads, as the projection lays
+them out); a KV head also copies its V row. A slot of -1 marks a padding row
 (a CUDA-graph batch padded to its bucket): its K/V are not stored, so the launch
-never needs the host to look at slot_mapping.
+never needs the host to look at slot_mapping. Large launches give a program several
+heads (`choose_heads_per_program`): thousands of one-warp programs cost more to
+schedule than their work.
 
 Rounding follows the PyTorch path (`rms_norm_math`, `_rotate` in layers/): norm
 statistics in float32, normalised value rounded to the model dtype before the
@@ -17,8 +19,6 @@ weight multiply, rotation in float32, result rounded once.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -63,7 +63,7 @@ def _rotate_and_cache_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
-    for i in tl.static_range(HEADS_PER_PROGRAM):  # unrolled: the heads' loads overlap
+    for i in tl.static_range(HEADS_PER_PROGRAM):  # one head after another
         head = tl.program_id(1) * HEADS_PER_PROGRAM + i
         if head < NUM_HEADS + NUM_KV_HEADS:
             _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
@@ -128,6 +128,19 @@ def _cache_value(x, dtype: tl.constexpr, cache_dtype: tl.constexpr, CACHE_MAX: t
     return x.to(cache_dtype)
 
 
+# A program's heads run one after another (their loads do not overlap), so a launch wants about this many
+# programs and no more: at 256 tokens x 24 heads one head per program took 7.9 us, four 3.6 us; at 8,192
+# tokens 237 -> 54 us with eight; at 64 tokens or fewer one is fastest (bench/RESULTS.md, H200).
+_PROGRAMS_WANTED = 1536
+_MAX_HEADS_PER_PROGRAM = 8
+
+
+def choose_heads_per_program(num_tokens: int, total_heads: int) -> int:
+    """A power of two from host ints (few compiled variants, stable CUDA-graph captures)."""
+    heads = min(num_tokens * total_heads // _PROGRAMS_WANTED, _MAX_HEADS_PER_PROGRAM)
+    return 1 << (heads.bit_length() - 1) if heads > 1 else 1
+
+
 def rotate_and_cache(
     qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     positions: torch.Tensor,  # [num_tokens] int64
@@ -140,6 +153,7 @@ def rotate_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
     num_heads: int,
+    heads_per_program: int | None = None,  # None: `choose_heads_per_program`
 ) -> torch.Tensor:
     """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
@@ -166,7 +180,7 @@ def rotate_and_cache(
         return query
     has_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
-    heads_per_program = int(os.environ.get("NANOINFER_ROPE_HEADS", "1"))  # PROBE
+    heads_per_program = heads_per_program or choose_heads_per_program(num_tokens, num_heads + num_kv_heads)
     _rotate_and_cache_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, heads_per_program))](
         qkv,
         positions,
