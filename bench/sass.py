@@ -1,0 +1,148 @@
+"""What the GPU would run, read without a GPU: compiles our paged-attention kernel for an H100 / H200 (sm_90) with
+the ptxas and cuobjdump that ship in Triton's wheel, and prints its registers, shared memory and the instruction
+mix of its loops. The kernel's arguments come from a real call of its launcher on small CPU tensors, so the compiled
+variant is the one the engine would launch (PDL on, as on a GPU).
+
+This is how the fp8 decode kernel's byte-wise V loads were found (bench/NOTES.md): 128 `LDS.U8` per thread per
+64-token step. Instruction counts are not times; measure on the GPU before believing a change.
+
+    python bench/sass.py [--kv-cache-dtype fp8] [--token-major-v] [--prefill] [--block-n 128] [--num-warps 4]
+                         [--num-stages 5] [--maxnreg 128] [--top 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from nanoinfer.kernels import paged_attention as pa
+from nanoinfer.layers.attention import v_cache_view
+
+_POINTER_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  torch.float8_e4m3fn: "fp8e4nv", torch.int32: "i32", torch.int64: "i64"}
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+@dataclasses.dataclass
+class Report:
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    loops: list[list[str]]  # each loop's instructions (opcode with modifiers), innermost-first order of the SASS
+
+
+def capture_launch(kernel, launch) -> tuple[tuple, dict]:
+    """The arguments `launch()` gives `kernel[grid](...)`, without running the kernel."""
+    calls = []
+    with mock.patch.object(kernel, "run", lambda *args, **kwargs: calls.append((args, kwargs))):
+        launch()
+    return calls[-1]
+
+
+def compile_for_sm90(kernel, args: tuple, kwargs: dict, **option_overrides):
+    """Compile `kernel` for sm_90 as a launch with these arguments would: pointers 16-byte aligned, ints
+    of 1 and multiples of 16 specialised (unless the kernel opts out), constexprs as given."""
+    params = {p.name: p for p in kernel.params}
+    values = dict(zip(kernel.arg_names, args)) | {k: v for k, v in kwargs.items() if k in params}
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        param, value = params[name], values.get(name, params[name].default)
+        if isinstance(value, torch.Tensor):
+            signature[name], attrs[(i,)] = "*" + _POINTER_TYPES[value.dtype], [["tt.divisibility", 16]]
+        elif param.is_constexpr or (type(value) is int and value == 1 and not param.do_not_specialize):
+            signature[name], constants[name] = "constexpr", value
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs} | option_overrides
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={k: v for k, v in options.items() if v is not None})
+
+
+def report(compiled) -> Report:
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([_BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_BIN / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True,
+                               check=True).stdout
+    code = [(int(addr, 16), text.strip()) for addr, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in code:  # a branch to an earlier address closes a loop
+        target = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            loops.append([_opcode(t) for a, t in code if int(target.group(1), 16) <= a <= addr])
+    return Report(int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+                  compiled.metadata.shared, loops)
+
+
+def _opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
+def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: bool, **config_overrides):
+    """A Qwen3-0.6B-shaped paged_attention call on CPU tensors (16 query / 8 KV heads, head_dim 128, block 16):
+    four sequences of 100 tokens, decoding one token each or prefilling 50."""
+    num_seqs, seq_len, q_len = 4, 100, 50 if prefill else 1
+    kv = torch.zeros(2, 64, 16, 8, 128, dtype=cache_dtype)
+    k_cache, v_cache = kv[0], kv[1] if token_major_v else v_cache_view(kv[1])
+    query = torch.zeros(num_seqs * q_len, 16, 128, dtype=torch.bfloat16)
+    query_start_loc = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    block_tables = torch.arange(num_seqs * 8, dtype=torch.int32).view(num_seqs, 8)
+    config = pa.choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=q_len,
+                              num_seqs=256, max_seq_len=1000, num_sms=132, cache_dtype=cache_dtype)  # batch 256's tiles
+    config = dataclasses.replace(config, **config_overrides)
+    return lambda: pa.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.1,
+                                      max_query_len=q_len, config=config)
+
+
+def attention_report(cache_dtype: torch.dtype, *, prefill: bool = False, token_major_v: bool = False,
+                     maxnreg: int | None = None, **config_overrides) -> Report:
+    kernel = pa._paged_attention_kernel
+    args, kwargs = capture_launch(kernel, attention_launch(cache_dtype, prefill=prefill, token_major_v=token_major_v,
+                                                           **config_overrides))
+    kwargs.update(USE_PDL=True, launch_pdl=True)  # as on the GPU
+    return report(compile_for_sm90(kernel, args, kwargs, maxnreg=maxnreg))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16")
+    p.add_argument("--token-major-v", action="store_true", help="V laid out as K (an fp8 cache's V is dim-major)")
+    p.add_argument("--prefill", action="store_true", help="the prefill variant (50-token chunks) instead of decode")
+    p.add_argument("--block-n", type=int)
+    p.add_argument("--num-warps", type=int)
+    p.add_argument("--num-stages", type=int)
+    p.add_argument("--maxnreg", type=int)
+    p.add_argument("--top", type=int, default=25, help="opcodes shown per loop")
+    args = p.parse_args()
+    overrides = {k: v for k, v in (("block_n", args.block_n), ("num_warps", args.num_warps),
+                                   ("num_stages", args.num_stages)) if v is not None}
+    dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+    r = attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v, maxnreg=args.maxnreg,
+                         **overrides)
+    print(f"triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
+          f"{r.shared_bytes} B shared memory")
+    for i, loop in enumerate(r.loops):
+        top = collections.Counter(loop).most_common(args.top)
+        print(f"loop {i}: {len(loop)} instructions: " + ", ".join(f"{n} {op}" for op, n in top))
+
+
+if __name__ == "__main__":
+    main()
