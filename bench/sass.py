@@ -69,9 +69,9 @@ def compile_for_sm90(kernel, args: tuple, kwargs: dict, **option_overrides):
             signature[name] = "i32"
             if value % 16 == 0 and not param.do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs} | option_overrides
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs} | {k: v for k, v in option_overrides.items() if v}
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={k: v for k, v in options.items() if v is not None})
+                          options=options)
 
 
 def report(compiled) -> Report:

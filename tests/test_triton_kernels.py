@@ -155,7 +155,7 @@ def test_fp8_cache_matches_reference_on_the_stored_values(dtype, num_splits, dim
     q_lens, seq_lens = MIXED if num_splits is None else ([1] * 5, [1, 16, 17, 33, 70])
     query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, dtype)
     k8, v8, v8_token_major = fp8_cache(k_cache, v_cache, md, dim_major_v=dim_major_v)
-    overrides = {} if num_splits is None else dict(block_n=16, num_splits=num_splits)
+    overrides = {} if num_splits is None else dict(block_n=16, num_splits=num_splits, max_registers=128)
     out = run_kernel(query, k8, v8, md, 0.125, **overrides)
     assert rel_err(out, reference(query, k8, v8_token_major, md, 0.125), sum(q_lens)) < REL_TOL[dtype]
 
@@ -306,10 +306,14 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     assert not prefill.decode and prefill.num_splits == 1
     assert prefill.block_q * 2 <= prefill.block_m <= 128
     assert config(4, 2000, max_query_len=5).block_m == 16  # short chunks get short tiles
-    # An fp8 cache takes 128-token steps where decode does not split (bench/RESULTS.md), 64 elsewhere.
+    # An fp8 cache, unsplit: 128-token steps while the grid fits the SMs at 5 programs each, beyond that
+    # 64-token steps under a register cap (more resident programs); split, and bf16: 64, no cap.
     fp8 = torch.float8_e4m3fn
     assert config(64, 2000, cache_dtype=fp8).block_n == 128 and config(64, 2000).block_n == 64
-    assert config(16, 2000, cache_dtype=fp8).block_n == 64
+    assert config(64, 2000, cache_dtype=fp8).max_registers is None
+    wide = config(256, 2000, cache_dtype=fp8)
+    assert (wide.block_n, wide.max_registers) == (64, 128) and config(256, 2000).max_registers is None
+    assert config(16, 2000, cache_dtype=fp8).block_n == 64 and config(16, 2000, cache_dtype=fp8).max_registers is None
 
 
 @kernel_test

@@ -33,6 +33,7 @@ decode launches can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,7 @@ class PagedAttentionConfig:
     num_splits: int  # > 1: split the context (decode only); the last split to finish merges
     num_warps: int
     num_stages: int
+    max_registers: int | None = None  # ptxas's cap per thread: more programs resident per SM
 
 
 # Decode splits the context while sequences x KV heads leave the SMs short of
@@ -63,7 +65,13 @@ class PagedAttentionConfig:
 _SPLIT_TARGET_PROGRAMS_PER_SM = 4
 _MAX_SPLITS = 32
 _DECODE_BLOCK_N = 64
-_FP8_DECODE_BLOCK_N = 128  # an fp8 cache, unsplit: 5-9% faster than 64 at batch 64-256 (split: no gain)
+# An fp8 cache, unsplit decode (bench/RESULTS.md, H200): the fp8 kernel is bound by latency at 2 warps per
+# scheduler (ncu: 4 resident programs per SM, by registers and shared memory alike). While the grid fits the SMs
+# at ~5 programs each, 128-token steps are fastest (5-9% over 64); a larger grid takes 64-token steps (22.8 KB of
+# shared memory) capped at 128 registers, 8 resident programs per SM: batch 256 x 1000 199 -> 173 us.
+_FP8_DECODE_BLOCK_N = 128
+_FP8_WIDE_GRID_PROGRAMS_PER_SM = 5
+_FP8_WIDE_GRID_REGISTERS = 128
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
 
 
@@ -89,16 +97,20 @@ def choose_config(
     group = num_heads // num_kv_heads
     if max_query_len <= 1:
         num_splits = _decode_num_splits(num_seqs * num_kv_heads, max_seq_len, num_sms)
-        fp8 = cache_dtype == torch.float8_e4m3fn
-        return PagedAttentionConfig(
+        config = PagedAttentionConfig(
             decode=True,
             block_q=1,
             block_m=max(16, triton.next_power_of_2(group)),
-            block_n=_FP8_DECODE_BLOCK_N if fp8 and num_splits == 1 else _DECODE_BLOCK_N,
+            block_n=_DECODE_BLOCK_N,
             num_splits=num_splits,
             num_warps=2,
             num_stages=3,
         )
+        if cache_dtype == torch.float8_e4m3fn and num_splits == 1:
+            if num_seqs * num_kv_heads > _FP8_WIDE_GRID_PROGRAMS_PER_SM * num_sms:
+                return dataclasses.replace(config, max_registers=_FP8_WIDE_GRID_REGISTERS)
+            return dataclasses.replace(config, block_n=_FP8_DECODE_BLOCK_N)
+        return config
     block_q = min(triton.next_power_of_2(max_query_len), max(1, _PREFILL_TILE_ROWS // group))
     return PagedAttentionConfig(
         decode=False,
@@ -464,5 +476,6 @@ def paged_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         launch_pdl=pdl,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
