@@ -11,10 +11,9 @@ An fp8 cache (`kv_cache_dtype="fp8"`) is upcast as it is loaded; with bf16
 queries the dots run in fp16, which holds every fp8 value exactly and converts
 from it in one instruction (8% faster than via bf16 on an H200). Its V is
 dim-major inside each block (`v_cache.stride(1) == 1`, `dim_major_view` in
-layers/attention.py):
-the P x V dot's k axis is the token axis, and with tokens contiguous four of
-them are one 32-bit shared-memory load, where a token-major fp8 V took one
-byte load each (there is no transposing ldmatrix for 8-bit types): 16-18%
+layers/attention.py): the P x V dot's k axis is the token axis, and with tokens
+adjacent four of them are one 32-bit shared-memory load, where a token-major fp8
+V took a byte load each (no transposing ldmatrix exists for 8-bit types); 13-18%
 faster decode. Such a V is read in whole blocks, so the slots past the context
 in a sequence's last block are multiplied by probability 0 and must hold finite
 values, which an fp8 cache guarantees (its writes saturate and store NaN as 0).
@@ -33,8 +32,7 @@ decode launches can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -108,8 +106,8 @@ def choose_config(
         )
         if cache_dtype == torch.float8_e4m3fn and num_splits == 1:
             if num_seqs * num_kv_heads > _FP8_WIDE_GRID_PROGRAMS_PER_SM * num_sms:
-                return dataclasses.replace(config, max_registers=_FP8_WIDE_GRID_REGISTERS)
-            return dataclasses.replace(config, block_n=_FP8_DECODE_BLOCK_N)
+                return replace(config, max_registers=_FP8_WIDE_GRID_REGISTERS)
+            return replace(config, block_n=_FP8_DECODE_BLOCK_N)
         return config
     block_q = min(triton.next_power_of_2(max_query_len), max(1, _PREFILL_TILE_ROWS // group))
     return PagedAttentionConfig(
@@ -198,7 +196,8 @@ def _attend(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
-            v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd, mask=in_block[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd, mask=in_block[:, None],
+                        other=0.0)
         else:
             v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
@@ -375,8 +374,10 @@ def _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tabl
         )
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must have the same shape and dtype")
-    if v_cache.stride() != k_cache.stride() and v_cache.stride()[1:] != (1, k_cache.shape[1] * k_cache.shape[3], k_cache.shape[1]):
-        raise ValueError("v_cache must be laid out as k_cache, or dim-major inside each block (nanoinfer.layers.attention.dim_major_view)")
+    block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if v_cache.stride() != k_cache.stride() and v_cache.stride()[1:] != (1, block_size * head_dim, block_size):
+        raise ValueError("v_cache must be laid out as k_cache, or dim-major inside each block "
+                         "(nanoinfer.layers.attention.dim_major_view)")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:

@@ -75,8 +75,8 @@ def _rotate_and_cache_kernel(
 @triton.jit
 def _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
                            k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
-                           stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token, head,
-                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
+                           token, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, CACHE_MAX: tl.constexpr):
     """One head of one token: a query head's rotated row to `query`, a KV head's K and V rows to the cache."""
     half = tl.arange(0, HEAD_DIM // 2)
