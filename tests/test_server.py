@@ -353,6 +353,11 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    # Types as the schema gives them, as OpenAI checks them (the API fuzzer's negative cases): no coercion.
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 2.0}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),

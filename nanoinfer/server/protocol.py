@@ -29,8 +29,9 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as vLLM and OpenAI do.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as vLLM and OpenAI do. Known ones must have the type the schema says (as
+    # OpenAI checks): no "5" or true for an integer (the API fuzzer's negative cases); an int is a float.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
