@@ -2,7 +2,13 @@
 256 sequences, seed 0, prompts of 100-1024 random token ids, temperature 0.6,
 ignore_eos, max_tokens 100-1024; Qwen3-0.6B shape with dummy weights.
 
-    python bench/throughput.py [--peer hf] [engine flags]
+    python bench/throughput.py [--peer hf] [--repeat N] [engine flags]
+
+The figure is the first timed run's, on a fresh cache (its free queue hands out
+blocks in order). --repeat N times the workload N - 1 more times in the same
+engine, the prefix cache reset in between: those runs see a used cache, whose
+blocks come back in the order requests freed them, as in a server that has run
+a while, and they cost seconds where a new process costs half a minute.
 """
 
 from __future__ import annotations
@@ -32,18 +38,29 @@ def run_nanoinfer(args) -> dict:
     seed(1)
     warmup = [[randint(10001, 20000) for _ in range(randint(100, 1024))] for _ in range(32)]
     llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    runs = []
+    for i in range(args.repeat):
+        if i and not llm.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: a request still holds blocks")
+        runs.append(timed_run(llm, prompts, params, args))
+    core = llm.engine.core
+    figures = {"engine": "nanoinfer", "num_seqs": args.num_seqs, **runs[0], "kv_blocks": core.num_blocks,
+               "preemptions": core.scheduler.num_preemptions}
+    if len(runs) > 1:
+        figures["repeats_on_used_cache"] = runs[1:]
+    print(f"nanoinfer: {figures}", flush=True)  # before shutdown, which could outlive the time limit
+    llm.close()
+    return figures
+
+
+def timed_run(llm, prompts, params, args) -> dict:
     steps = _time_steps(llm.engine.core) if args.step_stats else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    core = llm.engine.core
-    figures = {"engine": "nanoinfer", "num_seqs": args.num_seqs, "output_tokens": tokens, "seconds": round(elapsed, 3),
-               "output_tok_per_s": round(tokens / elapsed, 1), "kv_blocks": core.num_blocks,
-               "preemptions": core.scheduler.num_preemptions, **({"steps": _summarise(steps)} if steps is not None else {})}
-    print(f"nanoinfer: {figures}", flush=True)  # before shutdown, which could outlive the time limit
-    llm.close()
-    return figures
+    return {"output_tokens": tokens, "seconds": round(elapsed, 3), "output_tok_per_s": round(tokens / elapsed, 1),
+            **({"steps": _summarise(steps, llm.engine.core)} if steps is not None else {})}
 
 
 def _time_steps(core) -> dict:
@@ -56,6 +73,7 @@ def _time_steps(core) -> dict:
 
     stats = {"records": [], "gc": [], "graphs_before": counters["stats"]["unique_graphs"]}
     records, schedule, step = stats["records"], core.scheduler.schedule, core.step
+    stats["unwrapped"] = schedule, step
 
     def timed_schedule():
         out = schedule()
@@ -80,12 +98,13 @@ def _time_steps(core) -> dict:
     return stats
 
 
-def _summarise(stats) -> dict:
+def _summarise(stats, core) -> dict:
     import gc
 
     from torch._dynamo.utils import counters
 
     gc.callbacks.remove(stats["on_gc"])
+    core.scheduler.schedule, core.step = stats["unwrapped"]
     records = stats["records"]
     decode = [r for r in records if r[0] and r[1]]
     mixed = [r for r in records if not r[0]]
@@ -137,6 +156,7 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--no-tqdm", action="store_true")
     p.add_argument("--step-stats", action="store_true", help="time every engine step (decode-only vs mixed)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs of the workload in one engine (see above)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run a peer engine in the same run")
     p.add_argument("--peer-num-seqs", type=int, default=256, help="requests given to the peer (it is slow)")
     p.add_argument("--peer-attn", default="paged|sdpa", help="transformers attn_implementation for the peer")

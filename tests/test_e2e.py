@@ -114,6 +114,10 @@ def test_prefix_cache_hits_keep_outputs(tiny_models, tiny_reference) -> None:
     assert [o.outputs[0].token_ids for o in outs] == tiny_reference
     assert all(o.num_cached_tokens >= 40 for o in outs)
     assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
+    assert llm.reset_prefix_cache() is True  # nothing running: every cached prefix is forgotten
+    outs = llm.generate(_tiny_prompts(), greedy(32), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == tiny_reference
+    assert outs[0].num_cached_tokens == 0  # the first prompt prefilled again (later ones share its prefix)
 
 
 def test_chunked_prefill_keeps_outputs(tiny_models, tiny_reference) -> None:

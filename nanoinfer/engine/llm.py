@@ -30,6 +30,11 @@ class LLM:
         """Stop tensor-parallel workers now (otherwise done at garbage collection or exit)."""
         self.engine.core.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (vLLM's name), so that the same prompts prefill again, as a
+        benchmark's repeat needs. Possible only while no request holds blocks: returns whether it was done."""
+        return self.engine.core.scheduler.kv_cache_manager.reset_prefix_cache()
+
     def __enter__(self) -> "LLM":
         return self
 
