@@ -14,7 +14,7 @@ Qwen3-0.6B and Qwen3-8B (TP=2 shard) projection shapes: CUDA-graph replays of
 many calls rotating over enough weight copies to exceed L2 several times, so
 each call streams its weight from HBM; TB/s = weight bytes / time.
 
-Usage: PYTHONPATH=. python bench/kernels.py [--quick] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
+Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -68,12 +68,13 @@ def decode_bytes(pool: Pool, batch: int, ctx: int) -> int:
     return kv + table + q_and_out
 
 
-def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig):
-    """Closures over disjoint block tables, enough of them to exceed L2 several times."""
+def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig, in_order: bool = False):
+    """Closures over disjoint block tables, enough of them to exceed L2 several times. Blocks are
+    placed at random (a used cache) or, `in_order`, consecutively (a fresh cache's free queue)."""
     blocks_per_call = batch * triton.cdiv(ctx, BLOCK_SIZE)
     per_call = decode_bytes(pool, batch, ctx)
     reps = max(1, min(pool.num_blocks // blocks_per_call, triton.cdiv(L2_MULTIPLE * pool.l2_bytes, per_call), 512))
-    perm = torch.randperm(pool.num_blocks, device="cuda").to(torch.int32)
+    perm = (torch.arange if in_order else torch.randperm)(pool.num_blocks, device="cuda").to(torch.int32)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     query_start_loc = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
@@ -98,8 +99,8 @@ def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> 
     )
 
 
-def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig) -> dict:
-    seconds = graph_seconds_per_call(decode_calls(pool, batch, ctx, config), replays=20)
+def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig, in_order: bool = False) -> dict:
+    seconds = graph_seconds_per_call(decode_calls(pool, batch, ctx, config, in_order), replays=20)
     nbytes = decode_bytes(pool, batch, ctx)
     return {"batch": batch, "ctx": ctx, "splits": config.num_splits, "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
 
@@ -172,17 +173,24 @@ def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
 
 
 def sweep_decode_configs(pool: Pool) -> list[dict]:
-    """Tile shapes for decode (no split) on shapes with enough programs to fill the GPU."""
+    """Tile shapes for decode (no split) on shapes with enough programs to fill the GPU; for an fp8
+    cache also 32-token steps and the register cap, with blocks at random and in order."""
+    fp8 = pool.k_cache.dtype == torch.float8_e4m3fn
+    variants = ([(n, 2, r) for n in (32, 64, 128) for r in (None, 128)] if fp8
+                else [(n, w, None) for n in (64, 128) for w in (2, 4)])
     rows = []
-    for batch, ctx in [(256, 2000), (64, 1000), (32, 500)]:
+    for batch, ctx in [(256, 1000), (256, 2000), (128, 1100), (64, 1000), (32, 500)]:
         base = default_config(pool, batch, ctx)
-        for block_n in (64, 128):
-            for num_warps in (2, 4):
-                cfg = dataclasses.replace(base, block_n=block_n, num_warps=num_warps, num_stages=3, num_splits=1)
-                rows.append({**bench_decode(pool, batch, ctx, cfg), "block_n": block_n, "num_warps": num_warps})
-    print("\ndecode config sweep (us per call, no split, 3 stages):")
+        for block_n, num_warps, registers in variants:
+            cfg = dataclasses.replace(base, block_n=block_n, num_warps=num_warps, num_stages=3, num_splits=1,
+                                      max_registers=registers)
+            for in_order in (False, True) if fp8 else (False,):
+                rows.append({**bench_decode(pool, batch, ctx, cfg, in_order), "block_n": block_n, "num_warps": num_warps,
+                             "max_registers": registers, "in_order": in_order, "default": cfg == base})
+    print("\ndecode config sweep (us per call, no split, 3 stages; * = the default config):")
     for r in rows:
-        print(f"  b{r['batch']} ctx{r['ctx']} N{r['block_n']} w{r['num_warps']}: {r['us']:.1f}")
+        print(f"  b{r['batch']} ctx{r['ctx']} N{r['block_n']} w{r['num_warps']} regs {r['max_registers']}"
+              f" {'in order' if r['in_order'] else 'random'}: {r['us']:.1f}{' *' if r['default'] else ''}")
     return rows
 
 
@@ -341,6 +349,7 @@ def main() -> None:
                         help="only the skinny-GEMM section (cuBLAS vs skinny_linear at M <= 16; with a config sweep unless --quick)")
     parser.add_argument("--gemm-model", choices=sorted(GEMM_SHAPES), default=None,
                         help="with --gemm: only this model's shapes")
+    parser.add_argument("--decode-sweep", action="store_true", help="only the decode tile sweep")
     parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="the attention benchmarks' cache: bf16, or float8_e4m3fn as kv_cache_dtype='fp8' stores it")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
@@ -367,6 +376,11 @@ def main() -> None:
     results["kv_cache_dtype"] = str(pool.k_cache.dtype)
     print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB"
           f"  KV cache {pool.k_cache.dtype}")
+    if args.decode_sweep:
+        results["decode_config_sweep"] = sweep_decode_configs(pool)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     if not args.quick:
         results["decode_config_sweep"] = sweep_decode_configs(pool)
         results["split_sweep"] = sweep_splits(pool)

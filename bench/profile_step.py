@@ -4,7 +4,10 @@ profiles steps: host functions with cProfile, device kernels with
 torch.profiler, wall time per step, and how much of it the GPU was busy (the
 rest is the idle gap between kernels that host work or waiting leaves).
 
-    python bench/profile_step.py --batch 256 --context 1000 [--prefill] [--trace T.json] [engine flags]
+    python bench/profile_step.py --batch 256 --context 1000 [--prefill | --workload] [--trace T.json] [engine flags]
+
+--workload profiles the reference workload's first --steps steps (bench/throughput.py's requests, after its
+warm-up): the mixed steps in which the 256 prompts are prefilled beside the decodes of those already admitted.
 
 --trace writes a Chrome trace of the profiled steps (chrome://tracing, Perfetto) to see where the gaps are.
 """
@@ -72,6 +75,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill", action="store_true", help="profile the first (prefill) steps instead of decode")
+    p.add_argument("--workload", action="store_true", help="profile the reference workload's first (mixed) steps")
     p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this file")
     args = p.parse_args()
     from nanoinfer import LLM, SamplingParams
@@ -79,6 +83,14 @@ def main() -> None:
     engine = LLM(**engine_kwargs(args)).engine
     max_tokens = 10_000 if args.max_model_len is None else args.max_model_len - args.context - 1
     params = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
+    if args.workload:
+        from throughput import warm_up, workload
+
+        warm_up(engine)
+        for i, (prompt, sp) in enumerate(zip(*workload(256))):
+            engine.add_request(str(i), prompt, sp)
+        profile(engine, args.steps, args.trace)
+        return
     if args.prefill:
         # A warm prefill, as the latency benchmark's TTFT sees it: one earlier request runs to the
         # end first (compilation, allocator growth), then a new one's first step is profiled.

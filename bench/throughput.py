@@ -28,16 +28,25 @@ def workload(num_seqs: int):
     return prompts, params
 
 
+def warm_up(engine) -> None:
+    """A short batch shaped like the workload (other token ids, so nothing of it is prefix-cached),
+    so one-time kernel compilation for mixed prefill steps stays out of the timing."""
+    from nanoinfer import SamplingParams
+
+    seed(1)
+    for i in range(32):
+        prompt = [randint(10001, 20000) for _ in range(randint(100, 1024))]
+        engine.add_request(f"warm-up {i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def run_nanoinfer(args) -> dict:
-    from nanoinfer import LLM, SamplingParams
+    from nanoinfer import LLM
 
     llm = LLM(**engine_kwargs(args))
     prompts, params = workload(args.num_seqs)
-    # Warm-up: a short batch shaped like the workload (other token ids, so nothing of it is
-    # prefix-cached), so one-time kernel compilation for mixed prefill steps stays out of the timing.
-    seed(1)
-    warmup = [[randint(10001, 20000) for _ in range(randint(100, 1024))] for _ in range(32)]
-    llm.generate(warmup, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    warm_up(llm.engine)
     runs = []
     for i in range(args.repeat):
         if i and not llm.reset_prefix_cache():
