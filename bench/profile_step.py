@@ -45,6 +45,47 @@ def gpu_busy_us(events) -> float:
     return busy
 
 
+def host_phases(engine, num_steps: int) -> None:
+    """Host milliseconds per step by phase, without a profiler's overhead: schedule, launch (inputs +
+    graph replay or eager forward + sampler launch), wait (for the previous step's tokens: the host
+    idles while the GPU is the bottleneck), update (scheduler bookkeeping), rest (output processing).
+    A wait near zero means the GPU waits for the host instead."""
+    core = engine.core
+    runner = core.tp_driver or core.runner
+    totals = dict.fromkeys(("schedule", "launch", "wait", "update"), 0.0)
+    originals = [(core.scheduler, "schedule"), (runner, "execute_model"), (core.scheduler, "update_from_output")]
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
+    runner.execute_model = timed("launch", runner.execute_model)
+    core.scheduler.update_from_output = timed("update", core.scheduler.update_from_output)
+    synchronize = torch.cuda.Event.synchronize
+    torch.cuda.Event.synchronize = timed("wait", synchronize)
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    finally:
+        torch.cuda.Event.synchronize = synchronize
+        for owner, name in originals:
+            del owner.__dict__[name]
+    # update_from_output calls result(), so its time includes the wait: report them apart.
+    totals["update"] -= totals["wait"]
+    rest = wall - sum(totals.values())
+    cells = ", ".join(f"{k} {v / num_steps * 1e3:.3f}" for k, v in (*totals.items(), ("rest", rest)))
+    print(f"host phases, ms per step over {num_steps} steps: wall {wall / num_steps * 1e3:.3f} = {cells}")
+
+
 def profile(engine, num_steps: int, trace: str | None) -> None:
     """Host functions (cProfile) and device kernels (torch.profiler) of `num_steps` steps."""
     host = cProfile.Profile()
@@ -75,6 +116,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=1000)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill", action="store_true", help="profile the first (prefill) steps instead of decode")
+    p.add_argument("--host", action="store_true", help="only the host phases per step (no profilers)")
     p.add_argument("--workload", action="store_true", help="profile the reference workload's first (mixed) steps")
     p.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps to this file")
     args = p.parse_args()
@@ -89,7 +131,10 @@ def main() -> None:
         warm_up(engine)
         for i, (prompt, sp) in enumerate(zip(*workload(256))):
             engine.add_request(str(i), prompt, sp)
-        profile(engine, args.steps, args.trace)
+        if args.host:
+            host_phases(engine, args.steps)
+        else:
+            profile(engine, args.steps, args.trace)
         return
     if args.prefill:
         # A warm prefill, as the latency benchmark's TTFT sees it: one earlier request runs to the
@@ -112,6 +157,9 @@ def main() -> None:
         engine.step()
     timed_steps(engine, 5)  # settle
     print(f"wall per decode step at batch {args.batch}, context ~{args.context}: {timed_steps(engine, args.steps):.3f} ms")
+    host_phases(engine, args.steps)
+    if args.host:
+        return
     profile(engine, 10, args.trace)
 
 

@@ -73,21 +73,30 @@ def timed_run(llm, prompts, params, args) -> dict:
 
 
 def _time_steps(core) -> dict:
-    """Wrap the core's step to record (decode-only?, requests, seconds) per step, and watch what
-    could stall a step from outside it: Python's garbage collector (pause per collection) and
-    torch.compile (graphs compiled during the run)."""
+    """Wrap the core's step to record (decode-only?, requests, seconds, seconds waiting for the
+    device) per step, and watch what could stall a step from outside it: Python's garbage collector
+    (pause per collection) and torch.compile (graphs compiled during the run). A step that waits
+    ~0 for the previous step's tokens is paced by the host, not the GPU."""
     import gc
 
+    import torch
     from torch._dynamo.utils import counters
 
     stats = {"records": [], "gc": [], "graphs_before": counters["stats"]["unique_graphs"]}
     records, schedule, step = stats["records"], core.scheduler.schedule, core.step
-    stats["unwrapped"] = schedule, step
+    synchronize = torch.cuda.Event.synchronize
+    stats["unwrapped"] = schedule, step, synchronize
 
     def timed_schedule():
         out = schedule()
-        records.append([all(n == 1 for n in out.num_scheduled_tokens.values()), len(out.num_scheduled_tokens), 0.0])
+        records.append([all(n == 1 for n in out.num_scheduled_tokens.values()), len(out.num_scheduled_tokens), 0.0, 0.0])
         return out
+
+    def timed_synchronize(event):
+        t = time.perf_counter()
+        synchronize(event)
+        if records:
+            records[-1][3] += time.perf_counter() - t
 
     def timed_step():
         t = time.perf_counter()
@@ -102,6 +111,7 @@ def _time_steps(core) -> dict:
             stats["gc"].append((info["generation"], time.perf_counter() - stats["gc_start"]))
 
     core.scheduler.schedule, core.step = timed_schedule, timed_step
+    torch.cuda.Event.synchronize = timed_synchronize
     stats["on_gc"] = on_gc
     gc.callbacks.append(on_gc)
     return stats
@@ -110,21 +120,25 @@ def _time_steps(core) -> dict:
 def _summarise(stats, core) -> dict:
     import gc
 
+    import torch
     from torch._dynamo.utils import counters
 
     gc.callbacks.remove(stats["on_gc"])
-    core.scheduler.schedule, core.step = stats["unwrapped"]
+    core.scheduler.schedule, core.step, torch.cuda.Event.synchronize = stats["unwrapped"]
     records = stats["records"]
     decode = [r for r in records if r[0] and r[1]]
     mixed = [r for r in records if not r[0]]
     by_batch = {}
     for lo, hi in ((1, 16), (17, 64), (65, 192), (193, 256)):
         sel = [r[2] for r in decode if lo <= r[1] <= hi]
+        waits = [r[3] for r in decode if lo <= r[1] <= hi]
         if sel:
-            by_batch[f"{lo}-{hi}"] = {"steps": len(sel), "ms_per_step": round(1e3 * sum(sel) / len(sel), 3)}
+            by_batch[f"{lo}-{hi}"] = {"steps": len(sel), "ms_per_step": round(1e3 * sum(sel) / len(sel), 3),
+                                      "wait_ms_per_step": round(1e3 * sum(waits) / len(sel), 3)}
     full_gc = [d for g, d in stats["gc"] if g == 2]
     return {"decode_steps": len(decode), "decode_s": round(sum(r[2] for r in decode), 3), "mixed_steps": len(mixed),
-            "mixed_s": round(sum(r[2] for r in mixed), 3), "decode_by_batch": by_batch,
+            "mixed_s": round(sum(r[2] for r in mixed), 3), "mixed_wait_s": round(sum(r[3] for r in mixed), 3),
+            "decode_by_batch": by_batch,
             "slowest_mixed_ms": sorted((round(1e3 * r[2], 1) for r in mixed), reverse=True)[:3],
             "gc_collections": len(stats["gc"]), "gc_s": round(sum(d for _, d in stats["gc"]), 3),
             "gc_full_s": round(sum(full_gc), 3),
