@@ -86,6 +86,20 @@ def host_phases(engine, num_steps: int) -> None:
     print(f"host phases, ms per step over {num_steps} steps: wall {wall / num_steps * 1e3:.3f} = {cells}")
 
 
+def host_profile(engine, num_steps: int) -> None:
+    """cProfile alone (no device profiler) over `num_steps` steps: where the host time goes."""
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(num_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    host.disable()
+    for order in ("cumulative", "tottime"):
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats(order).print_stats(30)
+        print(text.getvalue()[:7000])
+
+
 def profile(engine, num_steps: int, trace: str | None) -> None:
     """Host functions (cProfile) and device kernels (torch.profiler) of `num_steps` steps."""
     host = cProfile.Profile()
@@ -133,6 +147,7 @@ def main() -> None:
             engine.add_request(str(i), prompt, sp)
         if args.host:
             host_phases(engine, args.steps)
+            host_profile(engine, args.steps)
         else:
             profile(engine, args.steps, args.trace)
         return
