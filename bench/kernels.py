@@ -172,6 +172,46 @@ def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
     return {"tokens": num_tokens, "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
 
 
+def bench_fused_elementwise(num_tokens: int, hidden: int = 1024, intermediate: int = 3072) -> dict:
+    """add + RMSNorm and SiLU-and-mul (Qwen3-0.6B widths): our Triton kernels against the same math
+    torch.compile'd as the engine fused it before, device time in a CUDA graph and host time per
+    eager call (what an eager prefill step pays)."""
+    import time
+
+    from nanoinfer.kernels.activation import silu_and_mul
+    from nanoinfer.kernels.rms_norm import rms_norm
+    from nanoinfer.layers.layernorm import rms_norm_math
+
+    def compiled_add_rms_norm(x, residual, weight, eps):
+        x = x + residual
+        return rms_norm_math(x, weight, eps), x
+
+    def compiled_silu_and_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    x, residual = torch.randn(2, num_tokens, hidden, device="cuda", dtype=DTYPE)
+    weight = torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5
+    gate_up = torch.randn(num_tokens, 2 * intermediate, device="cuda", dtype=DTYPE)
+    norm_c, silu_c = torch.compile(compiled_add_rms_norm, dynamic=True), torch.compile(compiled_silu_and_mul, dynamic=True)
+    calls = {
+        "add_rms_norm triton": lambda: rms_norm(x, weight, 1e-6, residual),
+        "add_rms_norm compiled": lambda: norm_c(x, residual, weight, 1e-6),
+        "silu_and_mul triton": lambda: silu_and_mul(gate_up),
+        "silu_and_mul compiled": lambda: silu_c(gate_up),
+    }
+    row = {"tokens": num_tokens}
+    for name, call in calls.items():
+        row[f"{name} us"] = graph_seconds_per_call([call] * 20) * 1e6
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            call()
+        row[f"{name} host us"] = (time.perf_counter() - start) / 20 * 1e6
+        torch.cuda.synchronize()
+    return row
+
+
 def sweep_decode_configs(pool: Pool) -> list[dict]:
     """Tile shapes for decode (no split) on shapes with enough programs to fill the GPU; for an fp8
     cache also 32-token steps and the register cap, with blocks at random and in order."""
@@ -392,6 +432,8 @@ def main() -> None:
     results["prefill"] = prefill
     rope_runs = [bench_rotate_and_cache(pool, n) for n in (1, 256, 8192)]
     results["rotate_and_cache"] = rope_runs
+    fused_runs = [bench_fused_elementwise(n) for n in (1, 128, 256, 8192)]
+    results["fused_elementwise"] = fused_runs
     decode = []
     for batch in (1, 4, 16, 64, 256):
         for ctx in (100, 500, 1000, 2000):
@@ -407,6 +449,10 @@ def main() -> None:
             f"  rel err {r['rel_err']:.1e}  (torch sdpa {r['sdpa_us']:.1f} us)"
         )
     print("rotate_and_cache:", ", ".join(f"{r['tokens']} tokens {r['us']:.1f} us {r['gbps']:.0f} GB/s" for r in rope_runs))
+    print("fused elementwise (device us in a graph / host us per eager call):")
+    for r in fused_runs:
+        names = sorted({k.rsplit(" us", 1)[0].replace(" host", "") for k in r if k != "tokens"})
+        print(f"  {r['tokens']:>5} tokens: " + ", ".join(f"{n} {r[n + ' us']:.1f} / {r[n + ' host us']:.0f}" for n in names))
     print(f"\ndecode attention, default config, per call (CUDA graph); copy rate {copy_bw / 1e9:.0f} GB/s")
     print("  batch   ctx splits       us    MB read     GB/s  % copy")
     for r in decode:

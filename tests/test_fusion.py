@@ -1,4 +1,6 @@
-"""The fused (torch.compile) pieces compute what their plain PyTorch versions do.
+"""The torch.compile'd pieces (rotary on the PyTorch attention path) compute what their
+plain PyTorch versions do. (add + RMSNorm and SiLU-and-mul fuse as Triton kernels:
+tests/test_fused_kernels.py.)
 
 On the GPU the model runner turns fusion on; here it is compiled with inductor's
 CPU backend, which traces and fuses the same graphs, so a function that does not
@@ -10,8 +12,6 @@ import pytest
 import torch
 
 from nanoinfer.layers import fusion
-from nanoinfer.layers.activation import silu_and_mul
-from nanoinfer.layers.layernorm import add_rms_norm, rms_norm
 from nanoinfer.layers.rotary import RotaryEmbedding, apply_rotary, norm_heads_and_rotate
 
 HEAD_DIM, HEADS, KV_HEADS = 64, 4, 2
@@ -33,13 +33,9 @@ def cases(num_tokens: int):
     rope = RotaryEmbedding(HEAD_DIM, 512, {"rope_theta": 10000.0, "rope_type": "default"})
     q, k = torch.randn(num_tokens, HEADS * HEAD_DIM, generator=g), torch.randn(num_tokens, KV_HEADS * HEAD_DIM, generator=g)
     positions = torch.randint(0, 512, (num_tokens,), generator=g)
-    x, residual = torch.randn(num_tokens, 96, generator=g), torch.randn(num_tokens, 96, generator=g)
-    weight, head_weight = torch.rand(96, generator=g) + 0.5, torch.rand(HEAD_DIM, generator=g) + 0.5
+    head_weight = torch.rand(HEAD_DIM, generator=g) + 0.5
     tables = (rope.cos_cache, rope.sin_cache, HEAD_DIM)
     return [
-        (rms_norm, (x, weight, 1e-6)),
-        (add_rms_norm, (x, residual, weight, 1e-6)),
-        (silu_and_mul, (torch.randn(num_tokens, 2 * 96, generator=g),)),
         (apply_rotary, (positions, q, k, *tables)),
         (norm_heads_and_rotate, (positions, q, k, head_weight, head_weight.flip(0), 1e-6, *tables)),
     ]

@@ -7,11 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.layers.fusion import fused
+from nanoinfer.layers.fusion import use_kernels
 
 
-@fused
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x = [gate | up], as one Triton kernel where fusion is on."""
+    if use_kernels(x):
+        from nanoinfer.kernels import activation as kernel  # triton: GPU (or interpreter) only
+
+        if kernel.supports(x):
+            return kernel.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -11,21 +11,33 @@ import torch
 from torch import nn
 
 from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_world_size
-from nanoinfer.layers.fusion import fused
+from nanoinfer.layers.fusion import use_kernels
 
 
 def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Statistics in float32; the scale is applied in the input dtype, as HF does. Plain
-    PyTorch, for the fused functions that include it."""
+    PyTorch: the CPU path, and the reference of the fused kernel (kernels/rms_norm.py)."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-rms_norm = fused(rms_norm_math)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_math`, as one Triton kernel where fusion is on."""
+    if use_kernels(x):
+        from nanoinfer.kernels import rms_norm as kernel  # triton: GPU (or interpreter) only
+
+        if kernel.supports(x, weight):
+            return kernel.rms_norm(x, weight, eps)
+    return rms_norm_math(x, weight, eps)
 
 
-@fused
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual), as one Triton kernel where fusion is on."""
+    if use_kernels(x):
+        from nanoinfer.kernels import rms_norm as kernel
+
+        if kernel.supports(x, weight, residual):
+            return kernel.rms_norm(x, weight, eps, residual)
     x = x + residual
     return rms_norm_math(x, weight, eps), x
 
