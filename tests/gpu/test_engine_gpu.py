@@ -60,9 +60,9 @@ def test_smollm2_fast_path_equals_the_cpu() -> None:
     """The embedded model's real weights: the GPU fast path gives the greedy tokens of the engine
     running on the CPU. (Dummy weights are drawn per device type, so the dummy Qwen3 tests compare
     with the same PyTorch reference path run on the GPU instead.)"""
-    from nanoinfer.loader.default_model import default_model_path
-
     pytest.importorskip("gguf", reason="the embedded model's loader needs the gguf package (the device image lacks it)")
+    from nanoinfer.loader.default_model import default_model_path  # imports gguf
+
     try:
         path = default_model_path()
     except RuntimeError:
