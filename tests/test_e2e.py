@@ -154,6 +154,27 @@ def test_seeded_sampling_reproducible_across_batches(tiny_models) -> None:
     assert batched[0].outputs[0].token_ids == alone
 
 
+def test_sampling_metadata_is_rebuilt_only_when_it_can_change(tiny_models, monkeypatch) -> None:
+    """A decode step whose batch is last step's requests, none seeded or penalised, reuses last step's
+    sampling metadata; a changed batch, or any row that samples differently each step, rebuilds it."""
+    from nanoinfer.sample.metadata import SamplingMetadata
+
+    builds = []
+    build = SamplingMetadata.build.__func__
+    monkeypatch.setattr(SamplingMetadata, "build", classmethod(lambda cls, *a, **k: builds.append(1) or build(cls, *a, **k)))
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV)
+    plain = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    llm.generate([[1, 2, 3], [4, 5, 6, 7]], [plain, SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True)],
+                 use_tqdm=False)
+    # The first step's batch, then the pair decodes until one finishes, then the survivor alone.
+    assert 2 <= len(builds) <= 4
+    for varying in ({"seed": 5}, {"presence_penalty": 0.5}, {"min_tokens": 3}):
+        varying = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, **varying)
+        builds.clear()
+        llm.generate([[1, 2, 3], [4, 5, 6, 7]], [plain, varying], use_tqdm=False)
+        assert len(builds) == 12, varying  # every step that samples
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_async_and_sync_scheduling_agree_under_preemption(tiny_models, tiny_reference, async_scheduling) -> None:
     llm = LLM(tiny_models["llama"], num_kv_blocks=24, block_size=4, max_num_batched_tokens=9,

@@ -58,6 +58,8 @@ class ModelRunner:
         # The latest step's sampled tokens, still on the device, and each request's row in it.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
+        # The latest reusable sampling metadata and its rows' request ids (`_sampling_metadata`).
+        self.last_sampling: tuple[list[str], SamplingMetadata] | None = None
         self.last_future: RunnerFuture | None = None
 
     # ----- KV cache -----
@@ -280,7 +282,14 @@ class ModelRunner:
         return stack_rows(rows, self.device), errors
 
     def _sampling_metadata(self, states: list[CachedRequestState], output_index: list[int]) -> SamplingMetadata:
-        return SamplingMetadata.build(
+        """Built from the rows' parameters, or last step's again while the batch is the same requests
+        and none of them samples differently from step to step (`sampling_varies`): at a few hundred
+        requests building it costs ~0.7 ms of host time, and most decode steps keep their batch."""
+        req_ids = [s.req_id for s in states]
+        reusable = not any(s.sampling_varies for s in states)
+        if reusable and self.last_sampling is not None and self.last_sampling[0] == req_ids:
+            return self.last_sampling[1]
+        metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             # Only penalties and min_tokens read the history: skip copying it otherwise.
             prompt_token_ids=[s.token_ids[: s.prompt_len] if s.needs_history else [] for s in states],
@@ -290,6 +299,8 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             device=self.device,
         )
+        self.last_sampling = (req_ids, metadata) if reusable else None
+        return metadata
 
     def add_sampled_tokens(self, req_ids: list[str], positions: list[int], token_ids: list[int]) -> None:
         """TP workers: append the tokens rank 0 has read back, so every rank keeps the same token lists.

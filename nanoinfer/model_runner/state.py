@@ -21,15 +21,24 @@ class CachedRequestState:
     block_ids: np.ndarray  # int32: copied into the step's block table without a list conversion
     num_computed_tokens: int
     generator: torch.Generator | None
+    # Penalties and min_tokens look at every output token, so its newest must be on the host.
+    needs_history: bool
+
+    @property
+    def sampling_varies(self) -> bool:
+        """Whether this request's sampling inputs change from step to step (its history, or its
+        seeded generator's position), so last step's sampling metadata cannot serve again."""
+        return self.needs_history or self.generator is not None
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> "CachedRequestState":
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=device)
-        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, new.sampling_params,
-                   np.asarray(new.block_ids, dtype=np.int32),
-                   new.num_computed_tokens, generator)
+        p = new.sampling_params
+        needs_history = p.min_tokens > 0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, p, np.asarray(new.block_ids, dtype=np.int32),
+                   new.num_computed_tokens, generator, needs_history)
 
     def seeded_generator(self, output_index: int) -> torch.Generator | None:
         """Seeded sampling depends only on (seed, output position): reproducible
@@ -39,8 +48,3 @@ class CachedRequestState:
         self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + output_index) % (1 << 63))
         return self.generator
 
-    @property
-    def needs_history(self) -> bool:
-        """Penalties and min_tokens look at every output token, so its newest must be on the host."""
-        p = self.sampling_params
-        return p.min_tokens > 0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
