@@ -107,19 +107,6 @@ def test_batched_equals_one_at_a_time(tiny_models, tiny_reference) -> None:
     assert _tokens(llm) == tiny_reference
 
 
-def test_bucketed_lm_head_rows_keep_outputs(tiny_models, tiny_reference, monkeypatch) -> None:
-    """On CUDA the LM head runs on a bucketed row count (the sampled rows padded with copies of the last):
-    forced on here, the LM head sees only bucket sizes and the greedy tokens stay the reference's."""
-    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, block_size=4)
-    runner = llm.engine.core.runner
-    runner.logits_buckets = [1, 2, 4, 8]
-    rows = []
-    compute_logits = runner.model.compute_logits
-    monkeypatch.setattr(runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or compute_logits(h))
-    assert _tokens(llm) == tiny_reference
-    assert set(rows) <= {1, 2, 4, 8} and 8 in rows  # six requests decode together: 6 rows padded to 8
-
-
 def test_prefix_cache_hits_keep_outputs(tiny_models, tiny_reference) -> None:
     llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, block_size=4)
     assert _tokens(llm) == tiny_reference

@@ -21,7 +21,7 @@ from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
-from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner, batch_size_buckets
+from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
@@ -58,8 +58,6 @@ class ModelRunner:
         # The latest step's sampled tokens, still on the device, and each request's row in it.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
-        # On CUDA the LM head runs on a bucketed row count (`_logits_rows`).
-        self.logits_buckets = batch_size_buckets(config.max_num_seqs) if device.type == "cuda" else None
         # The latest reusable sampling metadata and its rows' request ids (`_sampling_metadata`).
         self.last_sampling: tuple[list[str], SamplingMetadata] | None = None
         self.last_future: RunnerFuture | None = None
@@ -142,19 +140,11 @@ class ModelRunner:
         self.cuda_graphs = None  # the only reference: the graphs and their memory pool go now
 
     @torch.inference_mode()
-    def _logits_rows(self, num_rows: int) -> int:
-        """The LM head's row count for `num_rows` sampled rows: the next CUDA-graph batch bucket. cuBLAS
-        picks a kernel per row count the first time it sees one, and may load it: 0.3-5 ms of host time
-        on our H200 machines (bench/NOTES.md), which every new batch size of a run would pay, and with
-        the rows bucketed every count is warmed at start-up (`_compile_eager_variants`)."""
-        return next((b for b in self.logits_buckets if b >= num_rows), num_rows)
-
     def _compile_eager_variants(self) -> None:
         """Compile now what the first requests would otherwise pay for mid-run: the
         prefill kernel's tile variants (one per power-of-two query length up to its
-        widest tile), the LM head at each bucketed row count (`_logits_rows`) and the
-        sampling kernel (one compile serves every batch size). Writes only into KV
-        blocks that hold no request yet."""
+        widest tile) and the sampling kernel (one compile serves every batch size).
+        Writes only into KV blocks that hold no request yet."""
         from nanoinfer.kernels.sampling import sample_from_logits  # CUDA only: triton
 
         for num_tokens in (2, 4, 8, 16, 32, 64, 128):
@@ -162,8 +152,6 @@ class ModelRunner:
             with set_forward_context(metadata):
                 self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device),
                            torch.arange(num_tokens, device=self.device))
-        for rows in self.logits_buckets:
-            self.model.compute_logits(torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device))
         for dtype in {self.dtype, torch.float32}:  # the model's logits, or float32 ones
             sample_from_logits(torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device),
                                torch.ones(1, device=self.device), torch.zeros(1, device=self.device))
@@ -216,9 +204,6 @@ class ModelRunner:
         slot_mapping = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
         logits_indices = query_start_loc[1:][sample_rows] - 1
-        if self.logits_buckets is not None and sample_rows:
-            # Repeat the last row up to the bucket; the LM head's extra rows are dropped before sampling.
-            logits_indices = np.pad(logits_indices, (0, self._logits_rows(len(sample_rows)) - len(sample_rows)), mode="edge")
 
         pending_rows = np.array(pending, dtype=np.int64).reshape(-1, 2)
         (slot_mapping_gpu, query_start_loc_gpu, seq_lens_gpu, block_tables_gpu, input_ids_gpu, positions_gpu,
@@ -262,8 +247,6 @@ class ModelRunner:
             self.last_future = None
             return RunnerFuture([], None, None)
         logits = self.model.compute_logits(hidden[logits_indices])
-        if logits is not None:
-            logits = logits[: len(sample_states)]
         # Rank 0 samples; TP workers receive the tokens on the device, so that, like rank 0, they can
         # feed them to the next step before anyone has read them back (async scheduling).
         if tp_rank() == 0:
