@@ -1,10 +1,10 @@
 """SiLU-and-mul (the gated MLP's activation) as one Triton kernel: out = silu(gate) * up
 for x = [gate | up] of shape [T, 2d].
 
-Why not torch.compile: besides its host cost in eager steps (~85 us per call on our
-H200 machines against ~20 for a Triton launch, see kernels/rms_norm.py), inductor's
-kernel for this took 96 us at 8,192 tokens x 3,072 outputs (1.6 TB/s), where
-the bytes allow ~36 (bench/NOTES.md). Here a program owns a BLOCK-wide column
+Why not torch.compile: besides its host cost in eager steps (50-90 us per call on
+our H200 machines against 26-43 for this kernel's launch, see kernels/rms_norm.py),
+inductor's kernel for this took 91-96 us at 8,192 tokens x 3,072 outputs (1.6 TB/s),
+where the bytes allow ~36; this one takes 37 (bench/RESULTS.md). Here a program owns a BLOCK-wide column
 tile of one row.
 
 The math is the PyTorch path's (`F.silu(gate) * up`), rounding included: silu is

@@ -3,10 +3,10 @@
 Each decoder layer runs two of these ("add the sublayer's output to the residual
 stream, then normalise"), so a step runs 2 x num_layers + 1 of them. In CUDA graphs
 any fused kernel does; in eager steps (prefill and mixed prefill + decode) the
-host time of the call is what counts, and a torch.compile'd function costs
-100-130 us of host time per call on our H200 machines (its guards and wrappers)
-where a Triton launch costs ~20: at 57 calls per step that was ~6 ms of a
-mixed step's host time (bench/NOTES.md).
+host time of the call is what counts, and a torch.compile'd function cost
+75-130 us of host time per call on our H200 machines (its guards and wrappers)
+where this kernel's launch costs 40-60: at 57 calls per step that was ~6 ms of
+a mixed step's host time (bench/RESULTS.md).
 
 One program per row, the whole row in registers (hidden sizes up to 16k). The
 math is the PyTorch path's (`layers/layernorm.py: rms_norm_math`), rounding
