@@ -180,20 +180,13 @@ def bench_fused_elementwise(num_tokens: int, hidden: int = 1024, intermediate: i
 
     from nanoinfer.kernels.activation import silu_and_mul
     from nanoinfer.kernels.rms_norm import rms_norm
-    from nanoinfer.layers.layernorm import rms_norm_math
-
-    def compiled_add_rms_norm(x, residual, weight, eps):
-        x = x + residual
-        return rms_norm_math(x, weight, eps), x
-
-    def compiled_silu_and_mul(x):
-        gate, up = x.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+    from nanoinfer.layers.activation import silu_and_mul_math
+    from nanoinfer.layers.layernorm import add_rms_norm_math
 
     x, residual = torch.randn(2, num_tokens, hidden, device="cuda", dtype=DTYPE)
     weight = torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5
     gate_up = torch.randn(num_tokens, 2 * intermediate, device="cuda", dtype=DTYPE)
-    norm_c, silu_c = torch.compile(compiled_add_rms_norm, dynamic=True), torch.compile(compiled_silu_and_mul, dynamic=True)
+    norm_c, silu_c = torch.compile(add_rms_norm_math, dynamic=True), torch.compile(silu_and_mul_math, dynamic=True)
     calls = {
         "add_rms_norm triton": lambda: rms_norm(x, weight, 1e-6, residual),
         "add_rms_norm compiled": lambda: norm_c(x, residual, weight, 1e-6),

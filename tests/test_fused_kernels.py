@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from triton_child import interpreter_child, kernel_test
 
 from nanoinfer.layers import fusion
-from nanoinfer.layers.activation import SiluAndMul
-from nanoinfer.layers.layernorm import RMSNorm, rms_norm_math
+from nanoinfer.layers.activation import SiluAndMul, silu_and_mul_math
+from nanoinfer.layers.layernorm import RMSNorm, add_rms_norm_math, rms_norm_math
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -62,8 +61,9 @@ def test_rms_norm_kernel_takes_row_strides_and_empty_batches() -> None:
     x, residual, weight = tensors(5, 256, torch.float32)
     wide = torch.cat([x, x], dim=1)[:, :256]  # row stride 512
     out, summed = rms_norm(wide, weight, 1e-5, residual)
-    torch.testing.assert_close(summed, x + residual)
-    torch.testing.assert_close(out, rms_norm_math(x + residual, weight, 1e-5))
+    expected_out, expected_sum = add_rms_norm_math(x, residual, weight, 1e-5)
+    torch.testing.assert_close(summed, expected_sum)
+    torch.testing.assert_close(out, expected_out)
     empty = rms_norm(x[:0], weight, 1e-5)
     assert empty.shape == (0, 256)
 
@@ -76,9 +76,8 @@ def test_silu_and_mul_kernel_matches_math(dtype, rows, d) -> None:
 
     g = torch.Generator().manual_seed(d)
     x = (4 * torch.randn(rows, 2 * d, generator=g)).to(DEVICE, dtype)
-    gate, up = x.chunk(2, dim=-1)
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(silu_and_mul(x), F.silu(gate) * up, rtol=rtol, atol=atol)
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_math(x), rtol=rtol, atol=atol)
 
 
 def test_kernels_reject_what_they_do_not_take() -> None:
@@ -111,11 +110,12 @@ def test_layers_dispatch_to_the_kernels(kernels_on, monkeypatch) -> None:
     norm = RMSNorm(128, eps=1e-6).to(DEVICE)
     norm.weight.data = torch.rand(128, generator=torch.Generator().manual_seed(1)).to(DEVICE) + 0.5
     out, summed = norm(x, residual)
-    torch.testing.assert_close(out, rms_norm_math(x + residual, norm.weight, 1e-6))
-    torch.testing.assert_close(summed, x + residual)
+    expected_out, expected_sum = add_rms_norm_math(x, residual, norm.weight, 1e-6)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(summed, expected_sum)
     torch.testing.assert_close(norm(x), rms_norm_math(x, norm.weight, 1e-6))
     gated = torch.randn(6, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    torch.testing.assert_close(SiluAndMul()(gated), F.silu(gated[:, :128]) * gated[:, 128:])
+    torch.testing.assert_close(SiluAndMul()(gated), silu_and_mul_math(gated))
     assert calls == ["rms_norm", "rms_norm", "silu_and_mul"]
     norm(x.double(), residual.double())  # float64: not a kernel dtype, the PyTorch path runs
     SiluAndMul()(torch.randn(2, 3, 64, device=DEVICE))  # 3-D: PyTorch path

@@ -10,6 +10,12 @@ from torch import nn
 from nanoinfer.layers.fusion import use_kernels
 
 
+def silu_and_mul_math(x: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: the CPU path, and the reference of the fused kernel (kernels/activation.py)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x = [gate | up], as one Triton kernel where fusion is on."""
     if use_kernels(x):
@@ -17,8 +23,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         if kernel.supports(x):
             return kernel.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return silu_and_mul_math(x)
 
 
 class SiluAndMul(nn.Module):

@@ -31,15 +31,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_math(x, weight, eps)
 
 
+def add_rms_norm_math(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in plain PyTorch, as `rms_norm_math`."""
+    x = x + residual
+    return rms_norm_math(x, weight, eps), x
+
+
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual), as one Triton kernel where fusion is on."""
+    """`add_rms_norm_math`, as one Triton kernel where fusion is on."""
     if use_kernels(x):
         from nanoinfer.kernels import rms_norm as kernel
 
         if kernel.supports(x, weight, residual):
             return kernel.rms_norm(x, weight, eps, residual)
-    x = x + residual
-    return rms_norm_math(x, weight, eps), x
+    return add_rms_norm_math(x, residual, weight, eps)
 
 
 class RMSNorm(nn.Module):
