@@ -306,11 +306,12 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     assert not prefill.decode and prefill.num_splits == 1
     assert prefill.block_q * 2 <= prefill.block_m <= 128
     assert config(4, 2000, max_query_len=5).block_m == 16  # short chunks get short tiles
-    # An fp8 cache, unsplit: 128-token steps while the grid fits the SMs at 5 programs each, beyond that
-    # 64-token steps under a register cap (more resident programs); split, and bf16: 64, no cap.
+    # An fp8 cache, unsplit: 128-token steps while the grid fits the SMs at 4 programs each (528 on 132
+    # SMs), beyond that 64-token steps under a register cap (more resident programs); split, and bf16: 64, no cap.
     fp8 = torch.float8_e4m3fn
     assert config(64, 2000, cache_dtype=fp8).block_n == 128 and config(64, 2000).block_n == 64
     assert config(64, 2000, cache_dtype=fp8).max_registers is None
+    assert (config(80, 2000, cache_dtype=fp8).block_n, config(80, 2000, cache_dtype=fp8).max_registers) == (64, 128)
     wide = config(256, 2000, cache_dtype=fp8)
     assert (wide.block_n, wide.max_registers) == (64, 128) and config(256, 2000).max_registers is None
     assert config(16, 2000, cache_dtype=fp8).block_n == 64 and config(16, 2000, cache_dtype=fp8).max_registers is None

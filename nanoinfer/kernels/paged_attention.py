@@ -65,10 +65,11 @@ _MAX_SPLITS = 32
 _DECODE_BLOCK_N = 64
 # An fp8 cache, unsplit decode (bench/RESULTS.md, H200): the fp8 kernel is bound by latency at 2 warps per
 # scheduler (ncu: 4 resident programs per SM, by registers and shared memory alike). While the grid fits the SMs
-# at ~5 programs each, 128-token steps are fastest (5-9% over 64); a larger grid takes 64-token steps (22.8 KB of
-# shared memory) capped at 128 registers, 8 resident programs per SM: batch 256 x 1000 199 -> 173 us.
+# at 4 programs each, 128-token steps are fastest (5-9% over 64); a larger grid takes 64-token steps (22.8 KB of
+# shared memory) capped at 128 registers, 8 resident programs per SM: batch 256 x 1000 199 -> 173 us, batch 80
+# (640 programs, a second wave of 128-token programs) x 1000 / 1500 87 / 128 -> 66 / 95 us.
 _FP8_DECODE_BLOCK_N = 128
-_FP8_WIDE_GRID_PROGRAMS_PER_SM = 5
+_FP8_WIDE_GRID_PROGRAMS_PER_SM = 4
 _FP8_WIDE_GRID_REGISTERS = 128
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
 
