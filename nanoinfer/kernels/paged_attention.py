@@ -255,10 +255,10 @@ def _paged_attention_kernel(
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
     USE_PDL: tl.constexpr,
 ):
+    # Until the PDL wait the program reads only the step's metadata (query_start_loc, seq_lens, written
+    # before the first kernel of the step), so that part overlaps the previous kernel's tail.
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the query and this step's K/V come from the previous kernel
     if DECODE:
         seq = tl.program_id(0)
         first_tok = 0
@@ -279,13 +279,6 @@ def _paged_attention_kernel(
     q_pos = seq_len - q_len + tok  # causal: row sees context positions <= q_pos
     token_row = (q_start + tok).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        query_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    )
-    if F16_DOTS:
-        q = q.to(tl.float16)  # K/V (and P) follow q's dtype in the dots
 
     # Context this tile needs, cut into num_splits BLOCK_N-aligned ranges.
     kv_end = tl.minimum(seq_len, seq_len - q_len + first_tok + BLOCK_Q)
@@ -298,6 +291,15 @@ def _paged_attention_kernel(
         num_splits = tl.maximum(tl.cdiv(kv_end, tl.maximum(split_len, 1)), 1)
         if split >= num_splits:
             return
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the query and this step's K/V come from the previous kernel
+    q = tl.load(
+        query_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    )
+    if F16_DOTS:
+        q = q.to(tl.float16)  # K/V (and P) follow q's dtype in the dots
 
     # A finite floor (not -inf) keeps fully masked rows free of inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
