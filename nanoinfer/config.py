@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+# Token budgets per step (vLLM's defaults): the server's steps, and an offline engine's on a large GPU,
+# where fewer, larger prefill chunks pay less per-step launch overhead (bench/RESULTS.md).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS = 16384
+
+
 def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
@@ -22,7 +28,7 @@ class EngineConfig:
     seed: int = _arg(0, "seed for dummy weights and unseeded sampling")
     block_size: int = _arg(16, "tokens per KV-cache block")
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's max_position_embeddings)")
-    max_num_batched_tokens: int = _arg(8192, "token budget of one step (prefill chunks + decodes)")
+    max_num_batched_tokens: int | None = _arg(None, f"token budget of one step (prefill chunks + decodes); default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, and for the offline LLM (generate, chat, benchmarks) {OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU of 70 GiB or more other than an A100, as in vLLM")
     max_num_seqs: int = _arg(256, "most requests in one step")
     kv_cache_dtype: str = _arg("auto", "KV cache element type (auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn, half the bytes of bf16, values stored unscaled, saturated at +-448)", ("auto", "fp8", "fp8_e4m3"))
     enable_prefix_caching: bool = _arg(True, "share KV blocks of equal prompt prefixes")
@@ -41,6 +47,8 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {list(choices)}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         positive = ["block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"]
         positive += [n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_waiting") if getattr(self, n) is not None]
         for name in positive:
