@@ -10,7 +10,19 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _engine_tree() -> str:
+    """Where `import nanoinfer` comes from: the first PYTHONPATH entry holding a `nanoinfer/` (bench/ab.sh runs
+    each build's copy so), else this checkout. Inserting the checkout first unconditionally made every such A/B
+    run the checkout's engine for both builds (fixed 2026-11-22, bench/NOTES.md)."""
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and os.path.isdir(os.path.join(entry, "nanoinfer")):
+            return os.path.abspath(entry)
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+sys.path.insert(0, _engine_tree())
 
 from nanoinfer.cli import add_engine_args, engine_kwargs  # noqa: E402
 
