@@ -1,0 +1,32 @@
+"""The benchmark harness runs the engine it is told to: bench/ab.sh compares builds by putting each one's
+copy first on PYTHONPATH, and every benchmark must then import that copy, not the checkout around it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = "import sys; sys.path.insert(0, 'bench'); import common, nanoinfer; print(nanoinfer.__file__)"
+
+
+def _imported_from(pythonpath: str | None) -> Path:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip()).resolve()
+
+
+def test_a_pythonpath_build_wins_over_the_checkout(tmp_path) -> None:
+    build = tmp_path / "build"
+    shutil.copytree(ROOT / "nanoinfer", build / "nanoinfer", ignore=shutil.ignore_patterns("__pycache__"))
+    assert _imported_from(os.pathsep.join([str(build), str(ROOT)])) == build / "nanoinfer" / "__init__.py"
+
+
+def test_without_a_build_the_checkout_is_used(tmp_path) -> None:
+    assert _imported_from(None) == ROOT / "nanoinfer" / "__init__.py"
+    assert _imported_from(str(tmp_path)) == ROOT / "nanoinfer" / "__init__.py"  # an entry without nanoinfer/
