@@ -14,7 +14,7 @@ Qwen3-0.6B and Qwen3-8B (TP=2 shard) projection shapes: CUDA-graph replays of
 many calls rotating over enough weight copies to exceed L2 several times, so
 each call streams its weight from HBM; TB/s = weight bytes / time.
 
-Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
+Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep | --decode-mix] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import triton
 
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
 from nanoinfer.layers.attention import v_cache_view
-from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
+from nanoinfer.kernels.paged_attention import _DECODE_BLOCK_N, PagedAttentionConfig, choose_config, paged_attention
+from nanoinfer.model_runner.cuda_graph import batch_size_buckets
 from nanoinfer.kernels.skinny_gemm import SkinnyConfig, graph_seconds_per_call, skinny_linear
 from nanoinfer.kernels.skinny_gemm import choose_config as choose_skinny_config
 
@@ -61,30 +62,41 @@ class Pool:
         self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def decode_bytes(pool: Pool, batch: int, ctx: int) -> int:
-    kv = batch * ctx * NUM_KV_HEADS * HEAD_DIM * pool.k_cache.element_size() * 2
-    table = batch * triton.cdiv(ctx, BLOCK_SIZE) * 4
-    q_and_out = 2 * batch * NUM_HEADS * HEAD_DIM * ELEM
+def decode_bytes(pool: Pool, lens: list[int]) -> int:
+    """Bytes one decode call over contexts of these lengths must move."""
+    kv = sum(lens) * NUM_KV_HEADS * HEAD_DIM * pool.k_cache.element_size() * 2
+    table = sum(triton.cdiv(n, BLOCK_SIZE) for n in lens) * 4
+    q_and_out = 2 * len(lens) * NUM_HEADS * HEAD_DIM * ELEM
     return kv + table + q_and_out
 
 
-def decode_calls(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig, in_order: bool = False):
-    """Closures over disjoint block tables, enough of them to exceed L2 several times. Blocks are
-    placed at random (a used cache) or, `in_order`, consecutively (a fresh cache's free queue)."""
-    blocks_per_call = batch * triton.cdiv(ctx, BLOCK_SIZE)
-    per_call = decode_bytes(pool, batch, ctx)
+def decode_calls(pool: Pool, lens: list[int], config: PagedAttentionConfig, in_order: bool = False,
+                 seed: int | None = None):
+    """Closures over disjoint block tables (one row per context length), enough of them to exceed L2 several
+    times. Blocks are placed at random (a used cache) or, `in_order`, consecutively (a fresh cache's free queue);
+    the same `seed` gives the same blocks and queries, so configs can be compared output for output."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    batch, width = len(lens), triton.cdiv(max(lens), BLOCK_SIZE)
+    blocks_per_call = sum(triton.cdiv(n, BLOCK_SIZE) for n in lens)
+    per_call = decode_bytes(pool, lens)
     reps = max(1, min(pool.num_blocks // blocks_per_call, triton.cdiv(L2_MULTIPLE * pool.l2_bytes, per_call), 512))
     perm = (torch.arange if in_order else torch.randperm)(pool.num_blocks, device="cuda").to(torch.int32)
+    rows = torch.arange(width, device="cuda")
+    lengths = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    used = (lengths + BLOCK_SIZE - 1) // BLOCK_SIZE
+    starts = torch.cumsum(used, 0) - used
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     query_start_loc = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
-    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     calls = []
     for r in range(reps):
-        block_tables = perm[r * blocks_per_call : (r + 1) * blocks_per_call].view(batch, -1)
+        taken = perm[r * blocks_per_call : (r + 1) * blocks_per_call]
+        index = (starts[:, None] + rows[None, :]).clamp(max=blocks_per_call - 1)
+        block_tables = torch.where(rows[None, :] < used[:, None], taken[index], 0).to(torch.int32)
 
         def call(block_tables=block_tables):
             return paged_attention(
-                query, pool.k_cache, pool.v_cache, query_start_loc, seq_lens, block_tables, HEAD_DIM**-0.5,
+                query, pool.k_cache, pool.v_cache, query_start_loc, lengths, block_tables, HEAD_DIM**-0.5,
                 max_query_len=1, config=config,
             )
 
@@ -99,10 +111,11 @@ def default_config(pool: Pool, batch: int, ctx: int, max_query_len: int = 1) -> 
     )
 
 
-def bench_decode(pool: Pool, batch: int, ctx: int, config: PagedAttentionConfig, in_order: bool = False) -> dict:
-    seconds = graph_seconds_per_call(decode_calls(pool, batch, ctx, config, in_order), replays=20)
-    nbytes = decode_bytes(pool, batch, ctx)
-    return {"batch": batch, "ctx": ctx, "splits": config.num_splits, "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
+def bench_decode(pool: Pool, lens: list[int], config: PagedAttentionConfig, in_order: bool = False) -> dict:
+    seconds = graph_seconds_per_call(decode_calls(pool, lens, config, in_order), replays=20)
+    nbytes = decode_bytes(pool, lens)
+    return {"batch": len(lens), "ctx": round(sum(lens) / len(lens)), "max_ctx": max(lens), "splits": config.num_splits,
+            "us": seconds * 1e6, "bytes": nbytes, "gbps": nbytes / seconds / 1e9}
 
 
 def prefill_case(pool: Pool, q_len: int, ctx: int):
@@ -218,7 +231,7 @@ def sweep_decode_configs(pool: Pool) -> list[dict]:
             cfg = dataclasses.replace(base, block_n=block_n, num_warps=num_warps, num_stages=3, num_splits=1,
                                       max_registers=registers)
             for in_order in (False, True) if fp8 else (False,):
-                rows.append({**bench_decode(pool, batch, ctx, cfg, in_order), "block_n": block_n, "num_warps": num_warps,
+                rows.append({**bench_decode(pool, [ctx] * batch, cfg, in_order), "block_n": block_n, "num_warps": num_warps,
                              "max_registers": registers, "in_order": in_order, "default": cfg == base})
     print("\ndecode config sweep (us per call, no split, 3 stages; * = the default config):")
     for r in rows:
@@ -235,13 +248,60 @@ def sweep_splits(pool: Pool) -> list[dict]:
             base = default_config(pool, batch, ctx)
             row = {"batch": batch, "ctx": ctx, "heuristic": base.num_splits}
             for splits in (1, 2, 4, 8, 16, 32):
-                row[splits] = bench_decode(pool, batch, ctx, dataclasses.replace(base, num_splits=splits))["us"]
+                row[splits] = bench_decode(pool, [ctx] * batch, dataclasses.replace(base, num_splits=splits))["us"]
             rows.append(row)
     print("\nsplit sweep (us per call; * = heuristic):")
     print("  batch  ctx " + "".join(f"{s:>9}" for s in (1, 2, 4, 8, 16, 32)))
     for row in rows:
         cells = "".join(f"{row[s]:>8.1f}{'*' if s == row['heuristic'] else ' '}" for s in (1, 2, 4, 8, 16, 32))
         print(f"  {row['batch']:>5} {row['ctx']:>4} {cells}")
+    return rows
+
+
+def workload_contexts(step: int, max_num_seqs: int = 256) -> list[int]:
+    """Context lengths of the reference workload's decode step `step` (every prompt is prefilled before decode
+    starts, and a request leaves after max_tokens), padded with length-1 rows to the CUDA-graph bucket as the
+    engine's graph runner pads them."""
+    from throughput import workload
+
+    prompts, params = workload(max_num_seqs)
+    lens = [len(p) + step for p, sp in zip(prompts, params) if sp.max_tokens > step]
+    bucket = next(b for b in batch_size_buckets(max_num_seqs) if b >= len(lens))
+    return lens + [1] * (bucket - len(lens))
+
+
+def sweep_decode_mix(pool: Pool, max_model_len: int = 2048) -> list[dict]:
+    """Decode attention over the reference workload's own context mixes (unequal lengths: the longest is 1.2-1.8x
+    the mean), with the launch the engine's CUDA graph captures (max_model_len) against split counts with
+    per-sequence equal splits (balance 0) or balanced splits (`balance_programs` per SM x SMs)."""
+    rows = []
+    for step in (50, 200, 400, 600, 800, 900):
+        lens = workload_contexts(step)
+        base = default_config(pool, len(lens), max_model_len)
+        reference = decode_calls(pool, lens, base, seed=step)[0]().float()
+        variants = [("default", base)] + [
+            (f"S{splits} r{regs} b{per_sm}", dataclasses.replace(base, block_n=_DECODE_BLOCK_N, num_splits=splits,
+                                                                 max_registers=regs,
+                                                                 balance_programs=per_sm * pool.num_sms))
+            for splits in (2, 4, 8) for regs in (None, 128) for per_sm in (0, 4, 8, 16)
+        ]
+        row = {"step": step, "seqs": sum(n > 1 for n in lens), "bucket": len(lens), "mean_ctx": round(sum(lens) / len(lens)),
+               "max_ctx": max(lens), "bytes": decode_bytes(pool, lens)}
+        for name, config in variants:
+            calls = decode_calls(pool, lens, config, seed=step)
+            error = ((calls[0]().float() - reference).norm() / reference.norm()).item()
+            row[name] = graph_seconds_per_call(calls, replays=20) * 1e6
+            if error > 1e-2:
+                row[name + " error"] = error
+        rows.append(row)
+        timed = {k: v for k, v in row.items() if k.startswith(("default", "S")) and not k.endswith("error")}
+        best = min(timed, key=timed.get)
+        print(f"  step {step}: {row['seqs']} seqs (bucket {row['bucket']}), ctx mean {row['mean_ctx']} max {row['max_ctx']}: "
+              f"default {row['default']:.1f} us ({row['bytes'] / row['default'] / 1e3:.0f} GB/s), best {best} "
+              f"{row[best]:.1f} us; " + ", ".join(f"{k} {v:.1f}" for k, v in timed.items() if k != "default"), flush=True)
+        errors = {k: v for k, v in row.items() if k.endswith("error")}
+        if errors:
+            print(f"    outputs differ from the default's: {errors}")
     return rows
 
 
@@ -383,6 +443,8 @@ def main() -> None:
     parser.add_argument("--gemm-model", choices=sorted(GEMM_SHAPES), default=None,
                         help="with --gemm: only this model's shapes")
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode tile sweep")
+    parser.add_argument("--decode-mix", action="store_true",
+                        help="only decode over the reference workload's context mixes: split counts and balancing")
     parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="the attention benchmarks' cache: bf16, or float8_e4m3fn as kv_cache_dtype='fp8' stores it")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
@@ -409,8 +471,12 @@ def main() -> None:
     results["kv_cache_dtype"] = str(pool.k_cache.dtype)
     print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB"
           f"  KV cache {pool.k_cache.dtype}")
-    if args.decode_sweep:
-        results["decode_config_sweep"] = sweep_decode_configs(pool)
+    if args.decode_sweep or args.decode_mix:
+        if args.decode_sweep:
+            results["decode_config_sweep"] = sweep_decode_configs(pool)
+        if args.decode_mix:
+            print("\ndecode over the reference workload's context mixes (us per call):")
+            results["decode_mix"] = sweep_decode_mix(pool)
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
         return
@@ -430,7 +496,7 @@ def main() -> None:
     decode = []
     for batch in (1, 4, 16, 64, 256):
         for ctx in (100, 500, 1000, 2000):
-            decode.append(bench_decode(pool, batch, ctx, default_config(pool, batch, ctx)))
+            decode.append(bench_decode(pool, [ctx] * batch, default_config(pool, batch, ctx)))
     results["decode"] = decode
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)

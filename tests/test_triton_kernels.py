@@ -114,16 +114,18 @@ def test_small_query_tiles_span_several_tiles_per_sequence():
 
 @kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_matches_reference(dtype, num_splits):
+@pytest.mark.parametrize("num_splits,balance_programs", [(1, 0), (4, 0), (4, 16)])
+def test_decode_matches_reference(dtype, num_splits, balance_programs):
     """With block_n 16 and 4 splits, short contexts need fewer splits (the rest exit
     at once) and the longest (70) spans all four: the merge (in the last split to
     arrive) must count and weight only the splits with work, and leave every arrival counter at zero for the next launch.
-    Run twice: the second launch reuses the counters."""
+    Balanced over 16 programs, splits are at least 152 x 2 / 16 -> 32 tokens: 70 takes three, 33 two, the rest
+    one (stored as final, no merge). Run twice: the second launch reuses the counters."""
     seq_lens = [1, 15, 16, 17, 33, 70]
     query, k_cache, v_cache, md = make_batch([1] * len(seq_lens), seq_lens, 8, 2, 64, dtype, extra_rows=2)
     for _ in range(2):
-        out = run_kernel(query, k_cache, v_cache, md, 0.125, block_n=16, num_splits=num_splits)
+        out = run_kernel(query, k_cache, v_cache, md, 0.125, block_n=16, num_splits=num_splits,
+                         balance_programs=balance_programs)
         assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), len(seq_lens)) < REL_TOL[dtype]
         assert int(arrival_counters(query.device, 1).abs().sum()) == 0
 

@@ -24,7 +24,13 @@ sequence still spreads over the whole GPU; each split stores its partial
 result and log-sum-exp, and the last split of a (sequence, KV head) to
 arrive (an atomic counter, `arrival_counters`) merges them. One launch, no
 second kernel: at decode batch sizes a merge kernel and its launch gap cost
-more than the merge's few kilobytes. Every launch parameter comes from host ints
+more than the merge's few kilobytes. A sequence that needs one split stores its output
+as final (no partial, no merge). By default each sequence's context is cut into equal
+parts; with `balance_programs` every split is at least (the launch's total context x
+KV heads / balance_programs) tokens long, so when context lengths differ, long
+sequences get more splits than short ones and no program carries far more work than
+the rest (the launch's total is summed from `seq_lens` before the PDL wait, so it
+needs no host value and a CUDA graph replays it). Every launch parameter comes from host ints
 (shapes and `max_query_len` / `max_seq_len`), never from device tensors, so
 decode launches can be captured in a CUDA graph.
 """
@@ -55,6 +61,9 @@ class PagedAttentionConfig:
     num_warps: int
     num_stages: int
     max_registers: int | None = None  # ptxas's cap per thread: more programs resident per SM
+    # > 0 (split decode only): splits of a launch are at least total context x KV heads / balance_programs
+    # tokens long, so long sequences split more than short ones and the programs carry similar work.
+    balance_programs: int = 0
 
 
 # Decode splits the context while sequences x KV heads leave the SMs short of
@@ -209,7 +218,7 @@ def _attend(
 # Triton compiles a variant per integer argument that is 1, divisible by 16, or neither. The batch's
 # sequence count and the split count change every step, so they are not specialised: one compile per
 # tile configuration, done at start-up, instead of a ~1 s compile in the middle of a run.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_lt", "stride_lh"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "balance_programs", "stride_lt", "stride_lh"])
 def _paged_attention_kernel(
     query_ptr,
     k_cache_ptr,
@@ -224,6 +233,7 @@ def _paged_attention_kernel(
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     num_seqs,
     num_splits,
+    balance_programs,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -253,6 +263,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
+    BALANCED: tl.constexpr,  # split lengths from the launch's total context (balance_programs)
     USE_PDL: tl.constexpr,
 ):
     # Until the PDL wait the program reads only the step's metadata (query_start_loc, seq_lens, written
@@ -283,6 +294,13 @@ def _paged_attention_kernel(
     # Context this tile needs, cut into num_splits BLOCK_N-aligned ranges.
     kv_end = tl.minimum(seq_len, seq_len - q_len + first_tok + BLOCK_Q)
     split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    if BALANCED:
+        total = tl.zeros((), dtype=tl.int32)
+        for s0 in range(0, num_seqs, 256):
+            lens = tl.load(seq_lens_ptr + s0 + tl.arange(0, 256), mask=s0 + tl.arange(0, 256) < num_seqs, other=0)
+            total += tl.sum(lens, 0)
+        fair = tl.cdiv(tl.cdiv(total * tl.num_programs(1), balance_programs), BLOCK_N) * BLOCK_N
+        split_len = tl.maximum(split_len, fair)
     kv_start = split * split_len
     kv_stop = tl.minimum(kv_start + split_len, kv_end)
     if SPLIT:
@@ -330,19 +348,28 @@ def _paged_attention_kernel(
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch while we store and merge
     has_keys = l_i > 0.0  # false only for a zero-length context (splits past the context left above)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    out_rows = token_row * stride_ot + head * stride_oh + split * stride_os
-    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     if SPLIT:
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + token_row * stride_lt + head * stride_lh + split, lse, mask=row_valid)
-        # Every thread's stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival.
-        tl.debug_barrier()
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1) == num_splits - 1:
-            _merge_splits(out_ptr, lse_ptr, final_ptr, q_start.to(tl.int64), kv_head * QUERY_GROUP, num_splits,
-                          stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh, QUERY_GROUP,
-                          HEAD_DIM, MAX_SPLITS)
-            tl.store(counter, 0)
+        # A context that needed one split is final already: stored as such, no partial and no merge.
+        if num_splits == 1:
+            final_rows = token_row * stride_ft + head * stride_fh
+            tl.store(final_ptr + final_rows[:, None] + dims[None, :], out.to(final_ptr.dtype.element_ty),
+                     mask=row_valid[:, None])
+        else:
+            out_rows = token_row * stride_ot + head * stride_oh + split * stride_os
+            tl.store(out_ptr + out_rows[:, None] + dims[None, :], out, mask=row_valid[:, None])
+            lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + token_row * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+            # Every thread's stores are ordered before the (one-thread, acq_rel, GPU-scope) arrival.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1) == num_splits - 1:
+                _merge_splits(out_ptr, lse_ptr, final_ptr, q_start.to(tl.int64), kv_head * QUERY_GROUP, num_splits,
+                              stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
+                              QUERY_GROUP, HEAD_DIM, MAX_SPLITS)
+                tl.store(counter, 0)
+    else:
+        out_rows = token_row * stride_ot + head * stride_oh
+        tl.store(out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit
@@ -451,6 +478,7 @@ def paged_attention(
         scale * math.log2(math.e),
         num_seqs,
         config.num_splits,
+        max(config.balance_programs, 1),
         query.stride(0),
         query.stride(1),
         target.stride(0),
@@ -476,6 +504,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         V_DIM_MAJOR=v_cache.stride(1) == 1,
+        BALANCED=split and config.balance_programs > 0,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
