@@ -317,6 +317,23 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     wide = config(256, 2000, cache_dtype=fp8)
     assert (wide.block_n, wide.max_registers) == (64, 128) and config(256, 2000).max_registers is None
     assert config(16, 2000, cache_dtype=fp8).block_n == 64 and config(16, 2000, cache_dtype=fp8).max_registers is None
+    assert config(100, 2000).balance_programs == 0  # balanced splits are off unless NANOINFER_BALANCED_SPLITS says
+
+
+@kernel_test
+def test_balanced_splits_give_mid_batches_splits_sized_over_the_launch(monkeypatch):
+    """NANOINFER_BALANCED_SPLITS=8: 8 programs per SM over the launch's total context, and a grid with enough
+    splits for a sequence twice the mean context: 100 sequences (800 programs) on 132 SMs get 2 splits (2 x 8 x
+    132 // 800 = 2), 256 none, and small batches keep at least the splits they had."""
+    monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "8")
+
+    def config(num_seqs):
+        return pa.choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=1,
+                                num_seqs=num_seqs, max_seq_len=2048, num_sms=132, cache_dtype=torch.float8_e4m3fn)
+
+    assert (config(100).num_splits, config(100).balance_programs) == (2, 8 * 132)
+    assert (config(256).num_splits, config(256).balance_programs) == (1, 0)
+    assert config(16).num_splits == 16 and config(1).num_splits == 32
 
 
 @kernel_test

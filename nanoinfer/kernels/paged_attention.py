@@ -38,6 +38,7 @@ decode launches can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -83,9 +84,21 @@ _FP8_WIDE_GRID_REGISTERS = 128
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
 
 
+# Balanced splits (NANOINFER_BALANCED_SPLITS=<programs per SM>, off until measured on the reference workload,
+# bench/NOTES.md): a launch's splits are sized for that many programs per SM over its total context. The grid
+# gets enough splits for a sequence of up to _BALANCE_SKEW x the mean context to reach that size.
+_BALANCE_SKEW = 2
+
+
+def balanced_programs_per_sm() -> int:
+    return int(os.environ.get("NANOINFER_BALANCED_SPLITS", "0") or 0)
+
+
 def _decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Power of two (few compiled variants, stable CUDA-graph buckets)."""
     wanted = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
+    if balanced_programs_per_sm():
+        wanted = max(wanted, _BALANCE_SKEW * balanced_programs_per_sm() * num_sms // max(num_programs, 1))
     splits = max(1, min(wanted, triton.cdiv(max_seq_len, _DECODE_BLOCK_N), _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
@@ -114,6 +127,8 @@ def choose_config(
             num_warps=2,
             num_stages=3,
         )
+        if num_splits > 1 and balanced_programs_per_sm():
+            config = replace(config, balance_programs=balanced_programs_per_sm() * num_sms)
         if cache_dtype == torch.float8_e4m3fn and num_splits == 1:
             if num_seqs * num_kv_heads > _FP8_WIDE_GRID_PROGRAMS_PER_SM * num_sms:
                 return replace(config, max_registers=_FP8_WIDE_GRID_REGISTERS)
