@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from logprobs_close import approx_logprobs
 
 from nanoinfer import LLM, SamplingParams
 
@@ -228,11 +229,14 @@ def test_output_kinds(smol: LLM) -> None:
     assert len(final) == 1 and final[0].finished and len(delta) > 2 and len(cumulative) == len(delta)
     for index in (0, 1):
         whole = final[0].outputs[index]
-        assert cumulative[-1].outputs[index] == whole
+        last = cumulative[-1].outputs[index]
+        assert (last.index, last.text, last.token_ids, last.finish_reason, last.stop_reason) == (
+            whole.index, whole.text, whole.token_ids, whole.finish_reason, whole.stop_reason)
+        assert last.logprobs == approx_logprobs(whole.logprobs)  # another request: another batch row
         parts = [o.outputs[index] for o in delta]
         assert "".join(p.text for p in parts) == whole.text
         assert [t for p in parts for t in p.token_ids] == whole.token_ids
-        assert [lp for p in parts for lp in p.logprobs] == whole.logprobs
+        assert [lp for p in parts for lp in p.logprobs] == approx_logprobs(whole.logprobs)
         assert parts[-1].finish_reason == whole.finish_reason
         lengths = [len(o.outputs[index].token_ids) for o in cumulative]
         assert lengths == sorted(lengths)

@@ -20,7 +20,10 @@ _ERROR = {
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}},
 }
 _JSON = {"application/json": {"schema": {"type": "object"}}}
-_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# Before OpenAPI 3.2 (`itemSchema`), an event stream's `schema` describes each event, as schemathesis reads it.
+_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk of the response; the last event is [DONE]"}}}}}
 _TEXT = {"text/plain": {"schema": {"type": "string"}}}
 _DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
                  413: "request body too large", 500: "the request failed inside the engine (see the server log)",
