@@ -223,6 +223,69 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
     assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), sum(q_lens)) < REL_TOL[torch.float16]
 
 
+@kernel_test
+@pytest.mark.parametrize("cache", ["float16", "fp8"])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_with_rotate_fused_matches_the_two_kernels(cache, qk_norm, num_splits):
+    """Decode attention doing rotate_and_cache's work itself (`rotate=`) gives bit for bit the queries, cache and
+    output of rotate_and_cache followed by attention: the same norm / RoPE code, each query head rotated by
+    every split of its KV head, this step's K/V stored by the split holding the newest position and read back
+    in the same launch. A padding row (slot -1, length 1) stores nothing. fp16, and fp8 with bf16 queries and a
+    dim-major V; 1 and 4 splits (block_n 16)."""
+    dtype = torch.bfloat16 if cache == "fp8" else torch.float16
+    seq_lens = [20, 5, 33, 70, 1]
+    _, k_cache, v_cache, md = make_batch([1] * 5, seq_lens, 4, 2, 64, torch.float16)
+    if cache == "fp8":
+        k_cache, v_cache, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
+    slots = [int(md.block_tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for i, n in
+             enumerate(seq_lens[:-1])]
+    slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64, device=DEVICE)
+    qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(5, 4, 2, 64, dtype, qk_norm=qk_norm)
+    positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
+    weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else (None, None, 0.0)
+    rotate = rc.RotateInputs(qkv, positions, rope.cos_cache, rope.sin_cache, *weights, slot_mapping)
+    config = dataclasses.replace(triton_backend.TritonAttentionBackend().launch_config(torch.empty(5, 4, 64, dtype=dtype), k_cache, md),
+                                 block_n=16, num_splits=num_splits)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    query = rc.rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache, *weights, k2, v2, slot_mapping, 4)
+    out = pa.paged_attention(query, k2, v2, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, max_query_len=1,
+                             config=config)
+    fused_query = torch.full_like(query, float("nan"))
+    fused_out = pa.paged_attention(fused_query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+                                   0.125, max_query_len=1, config=config, rotate=rotate)
+    assert torch.equal(fused_query, query) and torch.equal(fused_out[:4], out[:4])
+    for fused, separate in ((k_cache, k2), (v_cache, v2)):
+        assert torch.equal(fused.float().nan_to_num(7.0), separate.float().nan_to_num(7.0))
+    with pytest.raises(ValueError, match="decode attention only"):
+        pa.paged_attention(fused_query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125,
+                           max_query_len=1, config=dataclasses.replace(config, decode=False, num_splits=1),
+                           rotate=rotate)
+
+
+@kernel_test
+def test_backend_fuses_decode_rotate_only_when_asked(monkeypatch):
+    """NANOINFER_FUSED_DECODE=1: the backend's decode step is the one fused kernel, with the two kernels' result;
+    prefill steps keep the two kernels."""
+    backend = triton_backend.TritonAttentionBackend()
+    seq_lens = [9, 17]
+    _, k_cache, v_cache, md = make_batch([1, 1], seq_lens, 4, 2, 64, torch.float16)
+    md.slot_mapping = torch.tensor([int(md.block_tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
+                                    for i, n in enumerate(seq_lens)], dtype=torch.int64, device=DEVICE)
+    qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(2, 4, 2, 64, torch.float16, qk_norm=True)
+    positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    out = backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k2, v2, md, 4, 0.125)
+    launches = []
+    original = pa.paged_attention
+    monkeypatch.setattr(triton_backend, "paged_attention", lambda *a, **kw: launches.append(kw.get("rotate")) or original(*a, **kw))
+    monkeypatch.setattr(triton_backend, "rotate_and_cache", None)  # must not be called
+    monkeypatch.setenv("NANOINFER_FUSED_DECODE", "1")
+    fused = backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md, 4, 0.125)
+    assert len(launches) == 1 and launches[0] is not None
+    assert torch.equal(fused, out) and torch.equal(k_cache.nan_to_num(7.0), k2.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize(
     "dtype,cache_dtype",
     [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels import arrival_counters, pdl_enabled
+from nanoinfer.kernels.rotate_and_cache import RotateInputs, rotate_and_cache_head
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -245,6 +246,16 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    qkv_ptr,  # ROTATE: rotate_and_cache's inputs (RotateInputs); the query buffer is then written here
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    slot_mapping_ptr,
+    stride_qkv,
+    stride_rope,
+    eps,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     num_seqs,
     num_splits,
@@ -279,6 +290,10 @@ def _paged_attention_kernel(
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
     BALANCED: tl.constexpr,  # split lengths from the launch's total context (balance_programs)
+    ROTATE: tl.constexpr,  # decode only: do rotate_and_cache's work first (norms, RoPE, this step's K/V)
+    NUM_KV_HEADS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    CACHE_MAX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Until the PDL wait the program reads only the step's metadata (query_start_loc, seq_lens, written
@@ -326,6 +341,25 @@ def _paged_attention_kernel(
             return
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the query and this step's K/V come from the previous kernel
+    if ROTATE:
+        # One kernel boundary fewer per layer: this program normalises and rotates its KV head's query heads
+        # into the query buffer (every split of the head writes the same values), and the one whose range
+        # holds the newest position stores this step's K/V row; a block barrier makes both visible to the
+        # loads below (the cache's through L2).
+        token = q_start.to(tl.int64)
+        for g in tl.static_range(QUERY_GROUP):
+            rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope,
+                                   stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
+                                   token, kv_head * QUERY_GROUP + g, QUERY_GROUP * NUM_KV_HEADS, NUM_KV_HEADS,
+                                   HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
+        if kv_stop >= seq_len:
+            rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope,
+                                   stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
+                                   token, QUERY_GROUP * NUM_KV_HEADS + kv_head, QUERY_GROUP * NUM_KV_HEADS,
+                                   NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
+        tl.debug_barrier()
     q = tl.load(
         query_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None],
@@ -454,11 +488,22 @@ def paged_attention(
     *,
     max_query_len: int,
     config: PagedAttentionConfig,
+    rotate: RotateInputs | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its paged context."""
+    """Causal attention of each sequence's queries over its paged context. With `rotate` (a decode config
+    only) the kernel first does `rotate_and_cache`'s work on those inputs and writes the queries into
+    `query`, whose contents on entry are not read."""
     _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if config.decode and max_query_len > 1:
         raise ValueError(f"a decode config needs max_query_len <= 1, got {max_query_len}")
+    if rotate is not None:
+        if not config.decode:
+            raise ValueError("rotate_and_cache fuses into decode attention only (max_query_len <= 1)")
+        if not query.is_contiguous():
+            raise ValueError("with rotate, query must be a contiguous [num_tokens, num_heads, head_dim] buffer")
+        rotate.check(k_cache, v_cache, query.shape[1])
+        if rotate.qkv.shape[0] != query.shape[0]:
+            raise ValueError(f"qkv has {rotate.qkv.shape[0]} rows for {query.shape[0]} query rows")
     if config.num_splits > 1 and not config.decode:
         raise ValueError("split-KV is only for decode configs")
     num_tokens, num_heads, head_dim = query.shape
@@ -490,6 +535,7 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        *(_rotate_args(rotate) if rotate is not None else (query,) * 7 + (0, 0, 0.0)),
         scale * math.log2(math.e),
         num_seqs,
         config.num_splits,
@@ -520,6 +566,10 @@ def paged_attention(
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         V_DIM_MAJOR=v_cache.stride(1) == 1,
         BALANCED=split and config.balance_programs > 0,
+        ROTATE=rotate is not None,
+        NUM_KV_HEADS=num_kv_heads,
+        HAS_NORM=rotate is not None and rotate.q_norm_weight is not None,
+        CACHE_MAX=torch.finfo(k_cache.dtype).max if rotate is not None and k_cache.dtype == torch.float8_e4m3fn else 0.0,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -527,3 +577,11 @@ def paged_attention(
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
+
+
+def _rotate_args(rotate: RotateInputs) -> tuple:
+    """The kernel's rotate_and_cache arguments (norm weights: any pointer when there is no norm, unread)."""
+    q_weight = rotate.q_norm_weight if rotate.q_norm_weight is not None else rotate.cos_cache
+    k_weight = rotate.k_norm_weight if rotate.k_norm_weight is not None else rotate.cos_cache
+    return (rotate.qkv, rotate.positions, rotate.cos_cache, rotate.sin_cache, q_weight, k_weight, rotate.slot_mapping,
+            rotate.qkv.stride(0), rotate.cos_cache.stride(0), rotate.eps)

@@ -28,10 +28,8 @@ class Attention(nn.Module):
         q_norm/k_norm: Qwen3's RMSNorm over each query and key head, applied before rotation."""
         if self.backend is None or self.k_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call ModelRunner.bind_kv_cache first")
-        metadata = get_forward_context()
-        q = self.backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, self.k_cache, self.v_cache,
-                                          metadata.slot_mapping, self.num_heads)
-        out = self.backend.forward(q, self.k_cache, self.v_cache, metadata, self.scale)
+        out = self.backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, self.k_cache, self.v_cache,
+                                                   get_forward_context(), self.num_heads, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 

@@ -1,6 +1,6 @@
 """The Triton kernels on CUDA over the full matrix: fp16/bf16, GQA 1/2/4/8,
 head_dim 64/128, many context lengths, batches up to 256, split-KV on and off,
-the fused norm + rotary + KV write at batch 1000,
+the fused norm + rotary + KV write at batch 1000, decode attention with that work fused in and with balanced splits,
 and a decode step captured in a CUDA graph and replayed at other lengths.
 
 Run on a GPU machine: `python -m pytest -m gpu tests/gpu`.
@@ -8,6 +8,7 @@ Run on a GPU machine: `python -m pytest -m gpu tests/gpu`.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 if torch.cuda.is_available():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_triton_kernels import REL_TOL, fp8_cache, make_batch, make_qkv_inputs, reference, rel_err, run_kernel
+
+    from nanoinfer.kernels import paged_attention as pa
+    from nanoinfer.kernels import rotate_and_cache as rc
 
     from nanoinfer.attention.torch_backend import TorchAttentionBackend
     from nanoinfer.attention.triton_backend import TritonAttentionBackend
@@ -83,6 +87,41 @@ def test_fp8_cache_mixed_and_decode(dtype, num_heads, num_kv_heads, dim_major_v)
         out = TritonAttentionBackend().forward(query, k8, v8, md, 128**-0.5)
         ref = reference(query, k8, v8_token_major, md, 128**-0.5)
         assert rel_err(out, ref, sum(q_lens)) < REL_TOL[dtype], f"{len(q_lens)} seqs"
+
+
+@pytest.mark.parametrize("cache", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("num_splits,balance", [(None, 0), (8, 0), (4, 8 * 132)])
+def test_decode_with_rotate_fused_and_balanced_splits_at_scale(cache, num_splits, balance):
+    """Qwen3-0.6B's attention shape (16 / 8 heads, head_dim 128, Qwen3's q/k norms) at batches of 1-256 with
+    unequal contexts: decode attention doing rotate_and_cache's work gives bit for bit the two kernels' queries,
+    cache and output; with balanced splits the output stays within the reference's tolerance."""
+    rng = random.Random(num_splits or 0)
+    for batch in (1, 7, 64, 256):
+        seq_lens = [rng.choice(LENGTHS + [rng.randint(1, 3000)]) for _ in range(batch)]
+        query, k_cache, v_cache, md = make_batch([1] * batch, seq_lens, 16, 8, 128, torch.bfloat16, seed=batch)
+        if cache == "fp8":
+            k_cache, v_cache, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
+        pos = torch.tensor(seq_lens, device="cuda") - 1
+        slot_mapping = md.block_tables[torch.arange(batch, device="cuda"), pos // 16].long() * 16 + pos % 16
+        qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(batch, 16, 8, 128, torch.bfloat16, qk_norm=True)
+        weights = (q_norm.weight, k_norm.weight, q_norm.eps)
+        config = TritonAttentionBackend().launch_config(query, k_cache, md)
+        if num_splits is not None:
+            config = dataclasses.replace(config, num_splits=num_splits, block_n=64, max_registers=None,
+                                         balance_programs=balance)
+        k2, v2 = k_cache.clone(), v_cache.clone()
+        query = rc.rotate_and_cache(qkv, pos, rope.cos_cache, rope.sin_cache, *weights, k2, v2, slot_mapping, 16)
+        out = pa.paged_attention(query, k2, v2, md.query_start_loc, md.seq_lens, md.block_tables, 128**-0.5,
+                                 max_query_len=1, config=config)
+        fused_query = torch.empty_like(query)
+        fused = pa.paged_attention(fused_query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+                                   128**-0.5, max_query_len=1, config=config,
+                                   rotate=rc.RotateInputs(qkv, pos, rope.cos_cache, rope.sin_cache, *weights, slot_mapping))
+        assert torch.equal(fused_query, query) and torch.equal(fused, out), f"batch {batch}"
+        assert torch.equal(k_cache.float().nan_to_num(7.0), k2.float().nan_to_num(7.0))
+        assert torch.equal(v_cache.float().nan_to_num(7.0), v2.float().nan_to_num(7.0))
+        ref = reference(query, k2, v2, md, 128**-0.5)  # the reference gathers by index: any V layout
+        assert rel_err(out, ref, batch) < REL_TOL[torch.bfloat16], f"batch {batch}"
 
 
 def test_float32_uses_exact_dot():
