@@ -3,6 +3,10 @@ the ptxas and cuobjdump that ship in Triton's wheel, and prints its registers, s
 mix of its loops. The kernel's arguments come from a real call of its launcher on small CPU tensors, so the compiled
 variant is the one the engine would launch (PDL on, as on a GPU).
 
+To see what the device machines' Triton (3.6) makes of a kernel, put that wheel's unpacked `triton/` first on
+PYTHONPATH (`pip download --no-deps triton==3.6.0`, unzip): its registers and loop counts match the ncu / device
+figures in bench/RESULTS.md (fp8 decode under the 128-register cap: 874 instructions per step; bf16: 225 registers).
+
 This is how the fp8 decode kernel's byte-wise V loads were found (bench/NOTES.md): 128 `LDS.U8` per thread per
 64-token step. Instruction counts are not times; measure on the GPU before believing a change.
 

@@ -284,6 +284,13 @@ def test_backend_fuses_decode_rotate_only_when_asked(monkeypatch):
     fused = backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md, 4, 0.125)
     assert len(launches) == 1 and launches[0] is not None
     assert torch.equal(fused, out) and torch.equal(k_cache.nan_to_num(7.0), k2.nan_to_num(7.0))
+    # An fp8 cache on a launch that caps registers (here 4 programs on the interpreter's 1 SM) keeps two kernels.
+    k8, v8, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
+    wide = dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu * 4)  # the config sees 8 sequences: 16 programs
+    assert backend.launch_config(fused, k8, wide).max_registers is not None
+    monkeypatch.setattr(triton_backend, "rotate_and_cache", rc.rotate_and_cache)
+    backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k8, v8, wide, 4, 0.125)
+    assert len(launches) == 2 and launches[1] is None
 
 
 @pytest.mark.parametrize(

@@ -31,16 +31,20 @@ class TritonAttentionBackend:
                                 k_norm: RMSNorm | None, k_cache, v_cache, metadata: AttentionMetadata, num_heads: int,
                                 scale: float) -> torch.Tensor:
         """Decode steps with NANOINFER_FUSED_DECODE=1 (off until measured): one kernel, the attention kernel
-        doing rotate_and_cache's work first; otherwise the two kernels."""
-        if not (metadata.is_decode_only and fused_decode_enabled()):
+        doing rotate_and_cache's work first, unless the launch caps registers (the fp8 wide grid: there ptxas
+        gives the fused loop ~5% more instructions, more than the saved launch is worth at that batch size);
+        otherwise the two kernels."""
+        config = query = None
+        if metadata.is_decode_only and fused_decode_enabled():
+            query = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
+            config = self.launch_config(query, k_cache, metadata)
+        if config is None or config.max_registers is not None:
             q = self.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, metadata.slot_mapping,
                                       num_heads)
-            return self.forward(q, k_cache, v_cache, metadata, scale)
-        rotate = _rotate_inputs(qkv, positions, rope, q_norm, k_norm, metadata.slot_mapping)
-        query = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
+            return self.forward(q, k_cache, v_cache, metadata, scale, config)
         return paged_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                               metadata.block_tables, scale, max_query_len=metadata.max_query_len,
-                               config=self.launch_config(query, k_cache, metadata), rotate=rotate)
+                               metadata.block_tables, scale, max_query_len=metadata.max_query_len, config=config,
+                               rotate=_rotate_inputs(qkv, positions, rope, q_norm, k_norm, metadata.slot_mapping))
 
     def launch_config(self, query, k_cache, metadata: AttentionMetadata) -> PagedAttentionConfig:
         """The kernel's tiles and split count for this batch, from host ints only."""

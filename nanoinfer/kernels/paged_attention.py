@@ -231,6 +231,29 @@ def _attend(
     return acc, m_i, l_i
 
 
+@triton.jit(noinline=True)
+def _rotate_for_decode(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr, k_cache_ptr,
+                       v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb, stride_cs,
+                       stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token, kv_head, store_kv,
+                       QUERY_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, CACHE_MAX: tl.constexpr):
+    """rotate_and_cache's work for one token and KV head: its query heads, and its K/V row if `store_kv`.
+    Not inlined: its registers stay out of the attention loop's allocation (inlined, ptxas gave the fp8 loop
+    ~40 more moves per step under the 128-register cap)."""
+    for g in tl.static_range(QUERY_GROUP):
+        rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                              k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb,
+                              stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token,
+                              kv_head * QUERY_GROUP + g, QUERY_GROUP * NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                              BLOCK_SIZE, HAS_NORM, CACHE_MAX)
+    if store_kv:
+        rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                              k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb,
+                              stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token,
+                              QUERY_GROUP * NUM_KV_HEADS + kv_head, QUERY_GROUP * NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                              BLOCK_SIZE, HAS_NORM, CACHE_MAX)
+
+
 # Triton compiles a variant per integer argument that is 1, divisible by 16, or neither. The batch's
 # sequence count and the split count change every step, so they are not specialised: one compile per
 # tile configuration, done at start-up, instead of a ~1 s compile in the middle of a run.
@@ -346,19 +369,11 @@ def _paged_attention_kernel(
         # into the query buffer (every split of the head writes the same values), and the one whose range
         # holds the newest position stores this step's K/V row; a block barrier makes both visible to the
         # loads below (the cache's through L2).
-        token = q_start.to(tl.int64)
-        for g in tl.static_range(QUERY_GROUP):
-            rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope,
-                                   stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
-                                   token, kv_head * QUERY_GROUP + g, QUERY_GROUP * NUM_KV_HEADS, NUM_KV_HEADS,
-                                   HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
-        if kv_stop >= seq_len:
-            rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope,
-                                   stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
-                                   token, QUERY_GROUP * NUM_KV_HEADS + kv_head, QUERY_GROUP * NUM_KV_HEADS,
-                                   NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
+        _rotate_for_decode(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+                           k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb,
+                           stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, q_start.to(tl.int64),
+                           kv_head, kv_stop >= seq_len, QUERY_GROUP, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM,
+                           CACHE_MAX)
         tl.debug_barrier()
     q = tl.load(
         query_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
