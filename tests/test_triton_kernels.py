@@ -13,7 +13,7 @@ from triton_child import RUN_HERE, interpreter_child, kernel_test
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
-from nanoinfer.layers.attention import dim_major_view
+from nanoinfer.layers.attention import Attention, bind_kv_cache, dim_major_view, head_major_view
 
 if RUN_HERE:
     from nanoinfer.attention import triton_backend
@@ -170,6 +170,49 @@ def test_dim_major_view_keeps_block_ids_and_puts_tokens_of_a_dim_together():
     assert view[2, 3, 1, 5].item() == 2 * 64 + 1 * 32 + 5 * 4 + 3
     view[1, 2, 0, 7] = -1  # writes through the view land in the same block's bytes
     assert (cache[1] == -1).sum().item() == 1 and (cache[0] >= 0).all() and (cache[2] >= 0).all()
+
+
+def test_head_major_view_keeps_block_ids_and_puts_a_heads_rows_together(monkeypatch):
+    cache = torch.arange(3 * 4 * 2 * 8).view(3, 4, 2, 8)  # [blocks, block_size, kv_heads, head_dim]
+    view = head_major_view(cache)
+    assert view.shape == cache.shape and view.stride() == (64, 8, 32, 1) and view.data_ptr() == cache.data_ptr()
+    assert view[2, 3, 1, 5].item() == 2 * 64 + 1 * 32 + 3 * 8 + 5  # in memory: block, head, slot, dim
+    # NANOINFER_HEAD_MAJOR_KV=1: the engine binds K (and a non-fp8 V) head-major; an fp8 V stays dim-major.
+    attention = Attention(4, 2, 8, 0.1)
+    model = torch.nn.Sequential(attention)
+    monkeypatch.setenv("NANOINFER_HEAD_MAJOR_KV", "1")
+    for dtype, v_stride in ((torch.float32, (8, 32, 1)), (torch.float8_e4m3fn, (1, 32, 4))):
+        bind_kv_cache(model, torch.zeros(2, 1, 3, 4, 2, 8, dtype=dtype), TorchAttentionBackend())
+        assert attention.k_cache.stride()[1:] == (8, 32, 1) and attention.v_cache.stride()[1:] == v_stride
+    monkeypatch.delenv("NANOINFER_HEAD_MAJOR_KV")
+    bind_kv_cache(model, torch.zeros(2, 1, 3, 4, 2, 8), TorchAttentionBackend())
+    assert attention.k_cache.stride()[1:] == (16, 8, 1)
+
+
+@kernel_test
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_splits", [None, 4])  # None: a mixed batch; 4: split decode
+def test_head_major_cache_matches_reference(cache_dtype, num_splits):
+    """K (and a V kept as K) head-major inside each block: the kernels take any block-internal strides, so
+    rotate_and_cache's stores and attention's loads give the same results as with the default layout."""
+    q_lens, seq_lens = MIXED if num_splits is None else ([1] * 5, [1, 16, 17, 33, 70])
+    dtype = torch.bfloat16 if cache_dtype == torch.float8_e4m3fn else torch.float16
+    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, dtype)
+    if cache_dtype == torch.float8_e4m3fn:
+        k_cache, v_cache, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
+    k_head = head_major_view(torch.empty_like(k_cache))
+    k_head.copy_(k_cache)
+    v_head = v_cache if cache_dtype == torch.float8_e4m3fn else head_major_view(torch.empty_like(v_cache))
+    v_head.copy_(v_cache)
+    overrides = {} if num_splits is None else dict(block_n=16, num_splits=num_splits)
+    out = run_kernel(query, k_head, v_head, md, 0.125, **overrides)
+    assert torch.equal(out, run_kernel(query, k_cache, v_cache, md, 0.125, **overrides))
+    qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(3, 4, 2, 64, dtype, qk_norm=True)
+    slots = torch.tensor([5, -1, 40], dtype=torch.int64, device=DEVICE)
+    for k, v in ((k_cache, v_cache), (k_head, v_head)):
+        triton_backend.TritonAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k, v, slots, 4)
+    assert torch.equal(k_head.float().nan_to_num(7.0), k_cache.float().nan_to_num(7.0))
+    assert torch.equal(v_head.float().nan_to_num(7.0), v_cache.float().nan_to_num(7.0))
 
 
 def test_fp8_cache_values_are_finite():
