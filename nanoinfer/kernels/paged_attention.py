@@ -348,12 +348,12 @@ def _paged_attention_kernel(
     kv_end = tl.minimum(seq_len, seq_len - q_len + first_tok + BLOCK_Q)
     split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     if BALANCED:
-        total = tl.zeros((), dtype=tl.int32)
+        total = tl.zeros((), dtype=tl.int64)  # sequences x context x KV heads can pass 2^31
         for s0 in range(0, num_seqs, 256):
             lens = tl.load(seq_lens_ptr + s0 + tl.arange(0, 256), mask=s0 + tl.arange(0, 256) < num_seqs, other=0)
-            total += tl.sum(lens, 0)
-        fair = tl.cdiv(tl.cdiv(total * tl.num_programs(1), balance_programs), BLOCK_N) * BLOCK_N
-        split_len = tl.maximum(split_len, fair)
+            total += tl.sum(lens.to(tl.int64), 0)
+        fair = tl.minimum(tl.cdiv(total * tl.num_programs(1), balance_programs), kv_end).to(tl.int32)
+        split_len = tl.maximum(split_len, tl.cdiv(fair, BLOCK_N) * BLOCK_N)
     kv_start = split * split_len
     kv_stop = tl.minimum(kv_start + split_len, kv_end)
     if SPLIT:
