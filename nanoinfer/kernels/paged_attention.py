@@ -128,12 +128,17 @@ def choose_config(
             num_warps=2,
             num_stages=3,
         )
-        if num_splits > 1 and balanced_programs_per_sm():
-            config = replace(config, balance_programs=balanced_programs_per_sm() * num_sms)
-        if cache_dtype == torch.float8_e4m3fn and num_splits == 1:
-            if num_seqs * num_kv_heads > _FP8_WIDE_GRID_PROGRAMS_PER_SM * num_sms:
+        balance = balanced_programs_per_sm() if num_splits > 1 else 0
+        if balance:
+            config = replace(config, balance_programs=balance * num_sms)
+        if cache_dtype == torch.float8_e4m3fn:
+            # The register cap where more than 4 programs per SM are to run at once: a wide unsplit grid,
+            # or balanced splits aimed at more (uncapped, the fp8 kernel takes ~210 registers: 4 per SM).
+            if (num_seqs * num_kv_heads if num_splits == 1 else balance * num_sms) > \
+                    _FP8_WIDE_GRID_PROGRAMS_PER_SM * num_sms:
                 return replace(config, max_registers=_FP8_WIDE_GRID_REGISTERS)
-            return replace(config, block_n=_FP8_DECODE_BLOCK_N)
+            if num_splits == 1:
+                return replace(config, block_n=_FP8_DECODE_BLOCK_N)
         return config
     block_q = min(triton.next_power_of_2(max_query_len), max(1, _PREFILL_TILE_ROWS // group))
     return PagedAttentionConfig(
