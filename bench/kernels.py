@@ -285,7 +285,8 @@ def sweep_decode_mix(pool: Pool, max_model_len: int = 2048) -> list[dict]:
                                                                  balance_programs=per_sm * pool.num_sms))
             for splits in (2, 4, 8) for regs in (None, 128) for per_sm in (0, 4, 8, 16)
         ]
-        row = {"step": step, "seqs": sum(n > 1 for n in lens), "bucket": len(lens), "mean_ctx": round(sum(lens) / len(lens)),
+        real = [n for n in lens if n > 1]
+        row = {"step": step, "seqs": len(real), "bucket": len(lens), "mean_ctx": round(sum(real) / len(real)),
                "max_ctx": max(lens), "bytes": decode_bytes(pool, lens)}
         for name, config in variants:
             calls = decode_calls(pool, lens, config, seed=step)
