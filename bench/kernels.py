@@ -29,7 +29,8 @@ import triton
 
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
 from nanoinfer.layers.attention import k_cache_view, v_cache_view
-from nanoinfer.kernels.paged_attention import _DECODE_BLOCK_N, PagedAttentionConfig, choose_config, paged_attention
+from nanoinfer.kernels.attention_config import DECODE_BLOCK_N, PagedAttentionConfig, choose_config
+from nanoinfer.kernels.paged_attention import paged_attention
 from nanoinfer.model_runner.cuda_graph import batch_size_buckets
 from nanoinfer.kernels.skinny_gemm import SkinnyConfig, graph_seconds_per_call, skinny_linear
 from nanoinfer.kernels.skinny_gemm import choose_config as choose_skinny_config
@@ -280,7 +281,7 @@ def sweep_decode_mix(pool: Pool, max_model_len: int = 2048) -> list[dict]:
         base = default_config(pool, len(lens), max_model_len)
         reference = decode_calls(pool, lens, base, seed=step)[0]().float()
         variants = [("default", base)] + [
-            (f"S{splits} r{regs} b{per_sm}", dataclasses.replace(base, block_n=_DECODE_BLOCK_N, num_splits=splits,
+            (f"S{splits} r{regs} b{per_sm}", dataclasses.replace(base, block_n=DECODE_BLOCK_N, num_splits=splits,
                                                                  max_registers=regs,
                                                                  balance_programs=per_sm * pool.num_sms))
             for splits in (2, 4, 8) for regs in (None, 128) for per_sm in (0, 4, 8, 16)

@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanoinfer.kernels import paged_attention as pa
+from nanoinfer.kernels.attention_config import choose_config
 from nanoinfer.layers.attention import v_cache_view
 
 _POINTER_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -109,7 +110,7 @@ def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: 
     query_start_loc = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     block_tables = torch.arange(num_seqs * 8, dtype=torch.int32).view(num_seqs, 8)
-    config = pa.choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=q_len,
+    config = choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=q_len,
                               num_seqs=256, max_seq_len=1000, num_sms=132, cache_dtype=cache_dtype)  # batch 256's tiles
     config = dataclasses.replace(config, **config_overrides)
     return lambda: pa.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.1,

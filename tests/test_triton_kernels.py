@@ -18,6 +18,7 @@ from nanoinfer.layers.attention import Attention, bind_kv_cache, dim_major_view,
 if RUN_HERE:
     from nanoinfer.attention import triton_backend
     from nanoinfer.kernels import arrival_counters
+    from nanoinfer.kernels import attention_config as ac
     from nanoinfer.kernels import paged_attention as pa
     from nanoinfer.kernels import rotate_and_cache as rc
 
@@ -405,7 +406,7 @@ def test_heads_per_program_grows_with_the_launch():
 @kernel_test
 def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     def config(num_seqs, max_seq_len, max_query_len=1, cache_dtype=None):
-        return pa.choose_config(
+        return ac.choose_config(
             num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=max_query_len,
             num_seqs=num_seqs, max_seq_len=max_seq_len, num_sms=132, cache_dtype=cache_dtype,
         )
@@ -441,7 +442,7 @@ def test_balanced_splits_give_mid_batches_splits_sized_over_the_launch(monkeypat
     monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "8")
 
     def config(num_seqs):
-        return pa.choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=1,
+        return ac.choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=1,
                                 num_seqs=num_seqs, max_seq_len=2048, num_sms=132, cache_dtype=torch.float8_e4m3fn)
 
     assert (config(100).num_splits, config(100).balance_programs) == (2, 8 * 132)
@@ -462,7 +463,7 @@ def test_bad_inputs_raise_clear_errors():
         run_kernel(query[:, :3], k_cache, v_cache, md, 0.1)
     with pytest.raises(ValueError, match="max_query_len"):
         _, _, _, prefill_md = make_batch([3, 1], [5, 9], 4, 2, 64, torch.float32)
-        decode_config = pa.choose_config(
+        decode_config = ac.choose_config(
             num_heads=4, num_kv_heads=2, dtype=torch.float32, max_query_len=1, num_seqs=2, max_seq_len=9, num_sms=1
         )
         pa.paged_attention(

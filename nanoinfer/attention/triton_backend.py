@@ -12,7 +12,8 @@ import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.kernels import num_sms
-from nanoinfer.kernels.paged_attention import PagedAttentionConfig, choose_config, paged_attention
+from nanoinfer.kernels.attention_config import PagedAttentionConfig, choose_config
+from nanoinfer.kernels.paged_attention import paged_attention
 from nanoinfer.kernels.rotate_and_cache import RotateInputs, rotate_and_cache
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
