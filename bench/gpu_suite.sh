@@ -3,7 +3,7 @@
 # latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
 # all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
 # where it was); logs go to $OUT unpiped.
-#   bash bench/gpu_suite.sh [all|tests|bench|serving|profile|kernels]
+#   bash bench/gpu_suite.sh [all|tests|bench|serving|profile|kernels|experiments]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 source "$(dirname "$0")/suite_common.sh"
@@ -22,6 +22,15 @@ fi
 if [ "$what" = kernels ]; then  # not part of "all": kernel micro-benchmarks (skinny GEMM vs cuBLAS, attention)
   run 200 kernels_gemm python3 bench/kernels.py --gemm --quick --json "$OUT/kernels_gemm.json"
   run 200 kernels_attention python3 bench/kernels.py --quick --json "$OUT/kernels_attention.json"
+fi
+if [ "$what" = experiments ]; then  # not part of "all": the off-by-default decode settings (docs/gpu.md), kernel level
+  run 300 kernels_decode_mix python3 bench/kernels.py --decode-mix --kv-cache-dtype fp8 --json "$OUT/decode_mix.json"
+  grep -E "step [0-9]+:" "$OUT/kernels_decode_mix.log" | cut -c1-220
+  for hm in 0 1; do
+    run 200 "kernels_fp8_head_major_$hm" env NANOINFER_HEAD_MAJOR_KV=$hm python3 bench/kernels.py --quick \
+      --kv-cache-dtype fp8 --json "$OUT/kernels_fp8_head_major_$hm.json"
+    grep -E "^ +(1|16|64|256) +(500|1000|2000) " "$OUT/kernels_fp8_head_major_$hm.log"
+  done
 fi
 if [ "$what" = all ] || [ "$what" = serving ]; then
   port=8765
