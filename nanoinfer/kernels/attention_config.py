@@ -116,4 +116,3 @@ def choose_config(
 def max_splits(config: PagedAttentionConfig) -> int:
     """The kernel's split axis for merging: one compiled size for every split count up to MAX_SPLITS."""
     return max(MAX_SPLITS, triton.next_power_of_2(config.num_splits))
-
