@@ -449,6 +449,9 @@ def test_balanced_splits_give_mid_batches_splits_sized_over_the_launch(monkeypat
     assert config(100).max_registers == 128  # 8 per SM need the fp8 kernel's register cap
     assert (config(256).num_splits, config(256).balance_programs, config(256).max_registers) == (1, 0, 128)
     assert config(16).num_splits == 16 and config(1).num_splits == 32
+    monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "eight")
+    with pytest.raises(ValueError, match="programs per SM"):
+        config(100)
     monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "4")  # 4 per SM fit uncapped
     assert (config(100).num_splits, config(100).max_registers, config(100).block_n) == (1, 128, 64)
     assert (config(40).num_splits, config(40).max_registers, config(40).block_n) == (2, None, 64)

@@ -53,7 +53,10 @@ _BALANCE_SKEW = 2
 
 
 def balanced_programs_per_sm() -> int:
-    return int(os.environ.get("NANOINFER_BALANCED_SPLITS", "0") or 0)
+    value = os.environ.get("NANOINFER_BALANCED_SPLITS", "") or "0"
+    if not value.isdigit():
+        raise ValueError(f"NANOINFER_BALANCED_SPLITS must be a number of programs per SM (0: off), got {value!r}")
+    return int(value)
 
 
 def _decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
