@@ -23,12 +23,14 @@ if [ "$what" = kernels ]; then  # not part of "all": kernel micro-benchmarks (sk
   run 200 kernels_gemm python3 bench/kernels.py --gemm --quick --json "$OUT/kernels_gemm.json"
   run 200 kernels_attention python3 bench/kernels.py --quick --json "$OUT/kernels_attention.json"
 fi
-if [ "$what" = experiments ]; then  # not part of "all": the off-by-default decode settings (docs/gpu.md), kernel level
+if [ "$what" = experiments ]; then  # not part of "all": the off-by-default decode settings (docs/gpu.md) and prefill tiles, kernel level
   for dtype in fp8 bf16; do
     run 300 "kernels_decode_mix_$dtype" python3 bench/kernels.py --decode-mix --kv-cache-dtype $dtype \
       --json "$OUT/decode_mix_$dtype.json"
     grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_$dtype.log" | cut -c1-220
   done
+  run 240 kernels_prefill_mix python3 bench/kernels.py --prefill-mix --kv-cache-dtype fp8 --json "$OUT/prefill_mix.json"
+  grep -A10 "prefill over" "$OUT/kernels_prefill_mix.log"
   for hm in 0 1; do
     run 200 "kernels_fp8_head_major_$hm" env NANOINFER_HEAD_MAJOR_KV=$hm python3 bench/kernels.py --quick \
       --kv-cache-dtype fp8 --json "$OUT/kernels_fp8_head_major_$hm.json"

@@ -14,7 +14,7 @@ Qwen3-0.6B and Qwen3-8B (TP=2 shard) projection shapes: CUDA-graph replays of
 many calls rotating over enough weight copies to exceed L2 several times, so
 each call streams its weight from HBM; TB/s = weight bytes / time.
 
-Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep | --decode-mix] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
+Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep | --decode-mix | --prefill-mix] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -307,6 +307,63 @@ def sweep_decode_mix(pool: Pool, max_model_len: int = 2048) -> list[dict]:
     return rows
 
 
+def prefill_mix_case(pool: Pool, budget: int = 16384):
+    """The reference workload's first mixed step: its prompts in order until the token budget (the offline
+    engine's 16,384 on an H200; the last one a chunk), each over a fresh context. Returns (run(config) ->
+    output, causal FLOPs, prompt lengths)."""
+    from throughput import workload
+
+    prompts, _ = workload(256)
+    lens, used = [], 0
+    for p in prompts:
+        lens.append(min(len(p), budget - used))
+        used += lens[-1]
+        if used == budget:
+            break
+    starts = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    width = triton.cdiv(max(lens), BLOCK_SIZE)
+    perm = torch.randperm(pool.num_blocks, device="cuda").to(torch.int32)
+    block_tables = perm[: len(lens) * width].view(len(lens), width)  # disjoint rows, some blocks unused
+    query = torch.randn(used, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+
+    def run(config: PagedAttentionConfig) -> torch.Tensor:
+        return paged_attention(query, pool.k_cache, pool.v_cache, starts, seq_lens, block_tables, HEAD_DIM**-0.5,
+                               max_query_len=max(lens), config=config)
+
+    return run, sum(4 * NUM_HEADS * HEAD_DIM * n * (n + 1) // 2 for n in lens), lens
+
+
+def sweep_prefill_mix(pool: Pool) -> list[dict]:
+    """Prefill tiles on the workload's own mixed step (~30 prompts of 100-1,024 tokens), against the default."""
+    run, flops, lens = prefill_mix_case(pool)
+    base = default_config(pool, len(lens), max(lens), max(lens))
+    reference = run(base).float()
+    group = NUM_HEADS // NUM_KV_HEADS
+    configs = [base] + [dataclasses.replace(base, block_m=block_m, block_q=block_m // group, block_n=block_n,
+                                            num_warps=num_warps, num_stages=num_stages)
+                        for block_m in (64, 128) for block_n in (64, 128) for num_warps in (4, 8)
+                        for num_stages in (2, 3)]
+    rows = []
+    for config in configs:
+        row = dataclasses.asdict(config) | {"default": config == base}
+        try:
+            out = run(config).float()
+            row["rel_err"] = ((out - reference).norm() / reference.norm()).item()
+            ms = triton.testing.do_bench(lambda: run(config), warmup=25, rep=100, return_mode="median")
+            row.update(us=ms * 1e3, tflops=flops / ms / 1e9)
+        except Exception as exc:  # out of shared memory etc.: record and go on
+            row["error"] = type(exc).__name__
+        rows.append(row)
+    ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    print(f"\nprefill over the workload's first mixed step ({len(lens)} prompts, {sum(lens)} tokens; us, TFLOP/s, "
+          f"rel err vs the default; * = default):")
+    for r in ok[:8] + [r for r in ok[8:] if r["default"]]:
+        print(f"  M{r['block_m']}/N{r['block_n']}/w{r['num_warps']}/s{r['num_stages']}: {r['us']:.0f} us "
+              f"{r['tflops']:.0f} TFLOP/s {r['rel_err']:.0e}{' *' if r['default'] else ''}")
+    return rows
+
+
 def sweep_prefill(pool: Pool) -> list[dict]:
     rows = []
     for q_len, ctx in [(2048, 2048), (512, 2048), (8192, 8192)]:
@@ -447,6 +504,8 @@ def main() -> None:
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode tile sweep")
     parser.add_argument("--decode-mix", action="store_true",
                         help="only decode over the reference workload's context mixes: split counts and balancing")
+    parser.add_argument("--prefill-mix", action="store_true",
+                        help="only prefill tiles over the reference workload's first mixed step")
     parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="the attention benchmarks' cache: bf16, or float8_e4m3fn as kv_cache_dtype='fp8' stores it")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
@@ -473,9 +532,11 @@ def main() -> None:
     results["kv_cache_dtype"] = str(pool.k_cache.dtype)
     print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB"
           f"  KV cache {pool.k_cache.dtype}")
-    if args.decode_sweep or args.decode_mix:
+    if args.decode_sweep or args.decode_mix or args.prefill_mix:
         if args.decode_sweep:
             results["decode_config_sweep"] = sweep_decode_configs(pool)
+        if args.prefill_mix:
+            results["prefill_mix"] = sweep_prefill_mix(pool)
         if args.decode_mix:
             print("\ndecode over the reference workload's context mixes (us per call):")
             results["decode_mix"] = sweep_decode_mix(pool)
