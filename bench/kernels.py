@@ -152,18 +152,27 @@ def bench_prefill(pool: Pool, q_len: int, ctx: int, configs: list[PagedAttention
     run, sdpa, flops = prefill_case(pool, q_len, ctx)
     ref = sdpa().float()
     sdpa_ms = triton.testing.do_bench(sdpa, warmup=25, rep=100, return_mode="median")
-    rows = []
-    for config in configs:
-        row = {"q_len": q_len, "ctx": ctx, "sdpa_us": sdpa_ms * 1e3, **dataclasses.asdict(config)}
-        try:
-            out = run(config).float()
-            row["rel_err"] = ((out - ref).norm() / ref.norm()).item()
-            ms = triton.testing.do_bench(lambda: run(config), warmup=25, rep=100, return_mode="median")
-            row.update(us=ms * 1e3, tflops=flops / ms / 1e9)
-        except Exception as exc:  # out of shared memory etc.: record and go on
-            row["error"] = type(exc).__name__
-        rows.append(row)
-    return rows
+    return [{"q_len": q_len, "ctx": ctx, "sdpa_us": sdpa_ms * 1e3, **dataclasses.asdict(config),
+             **time_prefill(run, config, ref, flops)} for config in configs]
+
+
+def time_prefill(run, config: PagedAttentionConfig, reference: torch.Tensor, flops: int) -> dict:
+    """One prefill config: its error against `reference`, us per call and TFLOP/s, or the error that stopped it."""
+    try:
+        out = run(config).float()
+        ms = triton.testing.do_bench(lambda: run(config), warmup=25, rep=100, return_mode="median")
+        return {"rel_err": ((out - reference).norm() / reference.norm()).item(), "us": ms * 1e3,
+                "tflops": flops / ms / 1e9}
+    except Exception as exc:  # out of shared memory etc.: record and go on
+        return {"error": type(exc).__name__}
+
+
+def prefill_tiles(base: PagedAttentionConfig, block_ns: tuple[int, ...]) -> list[PagedAttentionConfig]:
+    """Prefill tile variants around `base`: 64 or 128 rows, these steps, 4 or 8 warps, 2 or 3 stages."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    return [dataclasses.replace(base, block_m=block_m, block_q=block_m // group, block_n=block_n,
+                                num_warps=num_warps, num_stages=num_stages)
+            for block_m in (64, 128) for block_n in block_ns for num_warps in (4, 8) for num_stages in (2, 3)]
 
 
 def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
@@ -339,22 +348,8 @@ def sweep_prefill_mix(pool: Pool) -> list[dict]:
     run, flops, lens = prefill_mix_case(pool)
     base = default_config(pool, len(lens), max(lens), max(lens))
     reference = run(base).float()
-    group = NUM_HEADS // NUM_KV_HEADS
-    configs = [base] + [dataclasses.replace(base, block_m=block_m, block_q=block_m // group, block_n=block_n,
-                                            num_warps=num_warps, num_stages=num_stages)
-                        for block_m in (64, 128) for block_n in (64, 128) for num_warps in (4, 8)
-                        for num_stages in (2, 3)]
-    rows = []
-    for config in configs:
-        row = dataclasses.asdict(config) | {"default": config == base}
-        try:
-            out = run(config).float()
-            row["rel_err"] = ((out - reference).norm() / reference.norm()).item()
-            ms = triton.testing.do_bench(lambda: run(config), warmup=25, rep=100, return_mode="median")
-            row.update(us=ms * 1e3, tflops=flops / ms / 1e9)
-        except Exception as exc:  # out of shared memory etc.: record and go on
-            row["error"] = type(exc).__name__
-        rows.append(row)
+    rows = [dataclasses.asdict(config) | {"default": config == base} | time_prefill(run, config, reference, flops)
+            for config in [base] + prefill_tiles(base, (64, 128))]
     ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     print(f"\nprefill over the workload's first mixed step ({len(lens)} prompts, {sum(lens)} tokens; us, TFLOP/s, "
           f"rel err vs the default; * = default):")
@@ -367,17 +362,7 @@ def sweep_prefill_mix(pool: Pool) -> list[dict]:
 def sweep_prefill(pool: Pool) -> list[dict]:
     rows = []
     for q_len, ctx in [(2048, 2048), (512, 2048), (8192, 8192)]:
-        base = default_config(pool, 1, ctx, q_len)
-        configs = []
-        for block_m in (64, 128):
-            for block_n in (32, 64, 128):
-                for num_warps in (4, 8):
-                    for num_stages in (2, 3):
-                        configs.append(dataclasses.replace(
-                            base, block_m=block_m, block_q=block_m // (NUM_HEADS // NUM_KV_HEADS),
-                            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                        ))
-        rows += bench_prefill(pool, q_len, ctx, configs)
+        rows += bench_prefill(pool, q_len, ctx, prefill_tiles(default_config(pool, 1, ctx, q_len), (32, 64, 128)))
     print("\nprefill config sweep (best 6 per shape; us, TFLOP/s, rel err vs sdpa):")
     for q_len, ctx in [(2048, 2048), (512, 2048), (8192, 8192)]:
         ok = sorted((r for r in rows if (r["q_len"], r["ctx"]) == (q_len, ctx) and "us" in r), key=lambda r: r["us"])
