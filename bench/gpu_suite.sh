@@ -3,14 +3,16 @@
 # latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
 # all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
 # where it was); logs go to $OUT unpiped.
-#   bash bench/gpu_suite.sh [all|tests|bench|serving|profile|kernels|experiments|mixes]
+#   bash bench/gpu_suite.sh [all|tests|kernel_tests|bench|serving|profile|kernels|experiments|mixes]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 source "$(dirname "$0")/suite_common.sh"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -k "not experimental" -v -s -p no:cacheprovider --timeout 150
-  run 300 gpu_kernel_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_triton_gpu.py \
+fi
+if [ "$what" = all ] || [ "$what" = kernel_tests ]; then  # ~6 min on an H200: a call of its own
+  run 450 gpu_kernel_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_triton_gpu.py \
     tests/test_triton_kernels.py tests/test_sampling_kernel.py tests/test_skinny_gemm.py tests/test_all_reduce_kernel.py -q -p no:cacheprovider \
     --timeout 120 --durations 5
 fi

@@ -13,6 +13,7 @@ from triton_child import RUN_HERE, interpreter_child, kernel_test
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
+from nanoinfer.kernels import num_sms
 from nanoinfer.layers.attention import Attention, bind_kv_cache, dim_major_view, head_major_view
 
 if RUN_HERE:
@@ -327,10 +328,13 @@ def test_backend_fuses_decode_rotate_only_when_asked(monkeypatch):
     monkeypatch.setenv("NANOINFER_FUSED_DECODE", "1")
     fused = backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md, 4, 0.125)
     assert len(launches) == 1 and launches[0] is not None
-    assert torch.equal(fused, out) and torch.equal(k_cache.nan_to_num(7.0), k2.nan_to_num(7.0))
-    # An fp8 cache on a launch that caps registers (here 4 programs on the interpreter's 1 SM) keeps two kernels.
+    # Compiled on a GPU, the rotation's multiply-adds may contract differently inside attention: one fp16 ulp.
+    torch.testing.assert_close(fused, out, rtol=2**-10, atol=2**-10 * out.abs().max().item())
+    torch.testing.assert_close(k_cache, k2, rtol=2**-10, atol=2**-10 * 4, equal_nan=True)
+    # An fp8 cache on a launch that caps registers (16 programs per SM, whatever the device's SM count) keeps
+    # two kernels.
     k8, v8, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
-    wide = dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu * 4)  # the config sees 8 sequences: 16 programs
+    wide = dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu * 4 * num_sms(k8.device))  # the config's view
     assert backend.launch_config(fused, k8, wide).max_registers is not None
     monkeypatch.setattr(triton_backend, "rotate_and_cache", rc.rotate_and_cache)
     backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k8, v8, wide, 4, 0.125)

@@ -93,9 +93,12 @@ def test_fp8_cache_mixed_and_decode(dtype, num_heads, num_kv_heads, dim_major_v)
 @pytest.mark.parametrize("num_splits,balance", [(None, 0), (8, 0), (4, 8 * 132)])
 def test_decode_with_rotate_fused_and_balanced_splits_at_scale(cache, num_splits, balance):
     """Qwen3-0.6B's attention shape (16 / 8 heads, head_dim 128, Qwen3's q/k norms) at batches of 1-256 with
-    unequal contexts: decode attention doing rotate_and_cache's work gives bit for bit the two kernels' queries,
-    cache and output; with balanced splits the output stays within the reference's tolerance."""
+    unequal contexts: decode attention doing rotate_and_cache's work gives the two kernels' queries and cache within
+    one ulp (compiled, the rotation's multiply-adds contract differently inside the attention kernel: 2-4 of 500k
+    query values move by one bf16 ulp on an H200) and an output within the reference's tolerance, with balanced
+    splits too."""
     rng = random.Random(num_splits or 0)
+    cache_ulp = 2**-3 if cache == "fp8" else 2**-7
     for batch in (1, 7, 64, 256):
         seq_lens = [rng.choice(LENGTHS + [rng.randint(1, 3000)]) for _ in range(batch)]
         query, k_cache, v_cache, md = make_batch([1] * batch, seq_lens, 16, 8, 128, torch.bfloat16, seed=batch)
@@ -117,11 +120,18 @@ def test_decode_with_rotate_fused_and_balanced_splits_at_scale(cache, num_splits
         fused = pa.paged_attention(fused_query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
                                    128**-0.5, max_query_len=1, config=config,
                                    rotate=rc.RotateInputs(qkv, pos, rope.cos_cache, rope.sin_cache, *weights, slot_mapping))
-        assert torch.equal(fused_query, query) and torch.equal(fused, out), f"batch {batch}"
-        assert torch.equal(k_cache.float().nan_to_num(7.0), k2.float().nan_to_num(7.0))
-        assert torch.equal(v_cache.float().nan_to_num(7.0), v2.float().nan_to_num(7.0))
-        ref = reference(query, k2, v2, md, 128**-0.5)  # the reference gathers by index: any V layout
-        assert rel_err(out, ref, batch) < REL_TOL[torch.bfloat16], f"batch {batch}"
+        torch.testing.assert_close(fused_query, query, rtol=2**-7, atol=2**-7 * query.abs().max().item())
+        for fused_cache, cache_of_two in ((k_cache, k2), (v_cache, v2)):
+            new_rows = cache_of_two.flatten(0, 1)[slot_mapping].float()  # (batch, KV heads, head_dim)
+            torch.testing.assert_close(fused_cache.flatten(0, 1)[slot_mapping].float(), new_rows, rtol=cache_ulp,
+                                       atol=cache_ulp * new_rows.abs().max().item())
+            others = torch.ones(cache_of_two.shape[0] * cache_of_two.shape[1], dtype=torch.bool, device="cuda")
+            others[slot_mapping] = False  # every other slot is untouched
+            assert torch.equal(fused_cache.flatten(0, 1)[others].float().nan_to_num(7.0),
+                               cache_of_two.flatten(0, 1)[others].float().nan_to_num(7.0))
+        for result, q, k, v in ((out, query, k2, v2), (fused, fused_query, k_cache, v_cache)):
+            ref = reference(q, k, v, md, 128**-0.5)  # the reference gathers by index: any V layout
+            assert rel_err(result, ref, batch) < REL_TOL[torch.bfloat16], f"batch {batch}"
 
 
 def test_float32_uses_exact_dot():
