@@ -72,10 +72,11 @@ def decode_bytes(pool: Pool, lens: list[int]) -> int:
 
 
 def decode_calls(pool: Pool, lens: list[int], config: PagedAttentionConfig, in_order: bool = False,
-                 seed: int | None = None):
+                 seed: int | None = None, longest_first: bool = False):
     """Closures over disjoint block tables (one row per context length), enough of them to exceed L2 several
     times. Blocks are placed at random (a used cache) or, `in_order`, consecutively (a fresh cache's free queue);
-    the same `seed` gives the same blocks and queries, so configs can be compared output for output."""
+    the same `seed` gives the same blocks and queries, so configs can be compared output for output.
+    `longest_first`: the launch takes the sequences longest first (`seq_order`)."""
     if seed is not None:
         torch.manual_seed(seed)
     batch, width = len(lens), triton.cdiv(max(lens), BLOCK_SIZE)
@@ -89,6 +90,7 @@ def decode_calls(pool: Pool, lens: list[int], config: PagedAttentionConfig, in_o
     starts = torch.cumsum(used, 0) - used
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
     query_start_loc = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_order = torch.argsort(lengths, descending=True, stable=True).to(torch.int32) if longest_first else None
     calls = []
     for r in range(reps):
         taken = perm[r * blocks_per_call : (r + 1) * blocks_per_call]
@@ -98,7 +100,7 @@ def decode_calls(pool: Pool, lens: list[int], config: PagedAttentionConfig, in_o
         def call(block_tables=block_tables):
             return paged_attention(
                 query, pool.k_cache, pool.v_cache, query_start_loc, lengths, block_tables, HEAD_DIM**-0.5,
-                max_query_len=1, config=config,
+                max_query_len=1, config=config, seq_order=seq_order,
             )
 
         calls.append(call)
@@ -295,11 +297,12 @@ def sweep_decode_mix(pool: Pool, max_model_len: int = 2048) -> list[dict]:
                                                                  balance_programs=per_sm * pool.num_sms))
             for splits in (2, 4, 8) for regs in (None, 128) for per_sm in (0, 4, 8, 16)
         ]
+        variants += [(name + " lpt", config) for name, config in variants]  # longest sequences first
         real = [n for n in lens if n > 1]
         row = {"step": step, "seqs": len(real), "bucket": len(lens), "mean_ctx": round(sum(real) / len(real)),
                "max_ctx": max(lens), "bytes": decode_bytes(pool, lens)}
         for name, config in variants:
-            calls = decode_calls(pool, lens, config, seed=step)
+            calls = decode_calls(pool, lens, config, seed=step, longest_first=name.endswith("lpt"))
             error = ((calls[0]().float() - reference).norm() / reference.norm()).item()
             row[name] = graph_seconds_per_call(calls, replays=20) * 1e6
             if error > 1e-2:

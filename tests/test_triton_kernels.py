@@ -132,6 +132,27 @@ def test_decode_matches_reference(dtype, num_splits, balance_programs):
         assert int(arrival_counters(query.device, 1).abs().sum()) == 0
 
 
+@kernel_test
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_in_seq_order_gives_the_same_output(num_splits):
+    """`seq_order` only changes which program takes which (sequence, KV head) pair: longest first or any
+    permutation, the output is bit for bit the launch's without it, split or not. It is rejected on a prefill
+    config and when it is not one int32 entry per sequence."""
+    seq_lens = [1, 15, 70, 17, 33, 16]
+    query, k_cache, v_cache, md = make_batch([1] * len(seq_lens), seq_lens, 8, 2, 64, torch.float16)
+    config = dataclasses.replace(triton_backend.TritonAttentionBackend().launch_config(query, k_cache, md),
+                                 block_n=16, num_splits=num_splits)
+    args = (query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125)
+    plain = pa.paged_attention(*args, max_query_len=1, config=config)
+    longest_first = torch.argsort(md.seq_lens, descending=True, stable=True).to(torch.int32)
+    for order in (longest_first, torch.randperm(len(seq_lens), device=DEVICE).to(torch.int32)):
+        assert torch.equal(pa.paged_attention(*args, max_query_len=1, config=config, seq_order=order), plain)
+    for bad_config, bad_order in ((dataclasses.replace(config, decode=False, num_splits=1), longest_first),
+                                  (config, longest_first.long()), (config, longest_first[:-1])):
+        with pytest.raises(ValueError, match="seq_order is for decode configs"):
+            pa.paged_attention(*args, max_query_len=1, config=bad_config, seq_order=bad_order)
+
+
 def fp8_cache(k_cache, v_cache, metadata, *, dim_major_v: bool):
     """make_batch's cache in fp8, as the engine keeps one: V dim-major inside each block (`dim_major_view`)
     and, since such a V is read in whole blocks, finite in the unwritten tail of each sequence's last

@@ -174,6 +174,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     block_tables_ptr,
+    seq_order_ptr,  # ORDERED: [num_seqs] int32, the sequences longest first
     qkv_ptr,  # ROTATE: rotate_and_cache's inputs (RotateInputs); the query buffer is then written here
     positions_ptr,
     cos_ptr,
@@ -219,6 +220,7 @@ def _paged_attention_kernel(
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
     BALANCED: tl.constexpr,  # split lengths from the launch's total context (balance_programs)
     ROTATE: tl.constexpr,  # decode only: do rotate_and_cache's work first (norms, RoPE, this step's K/V)
+    ORDERED: tl.constexpr,  # decode only: programs take (sequence, KV head) pairs in seq_order's order
     NUM_KV_HEADS: tl.constexpr,
     HAS_NORM: tl.constexpr,
     CACHE_MAX: tl.constexpr,
@@ -230,6 +232,12 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
     if DECODE:
         seq = tl.program_id(0)
+        if ORDERED:
+            # The GPU starts programs in launch order: the longest sequences' programs first (all KV heads of a
+            # sequence side by side), so the launch's last wave holds the shortest and finishes together.
+            launch_index = tl.program_id(0) + tl.program_id(1) * num_seqs
+            kv_head = launch_index % NUM_KV_HEADS
+            seq = tl.load(seq_order_ptr + launch_index // NUM_KV_HEADS)
         first_tok = 0
     else:
         seq = _find_seq(query_start_loc_ptr, num_seqs, tl.program_id(0), BLOCK_Q)
@@ -409,10 +417,12 @@ def paged_attention(
     max_query_len: int,
     config: PagedAttentionConfig,
     rotate: RotateInputs | None = None,
+    seq_order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its paged context. With `rotate` (a decode config
     only) the kernel first does `rotate_and_cache`'s work on those inputs and writes the queries into
-    `query`, whose contents on entry are not read."""
+    `query`, whose contents on entry are not read. With `seq_order` (a decode config only: the sequences
+    longest first) the launch runs the longest contexts first, so unequal contexts leave a short tail."""
     _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if config.decode and max_query_len > 1:
         raise ValueError(f"a decode config needs max_query_len <= 1, got {max_query_len}")
@@ -426,6 +436,9 @@ def paged_attention(
             raise ValueError(f"qkv has {rotate.qkv.shape[0]} rows for {query.shape[0]} query rows")
     if config.num_splits > 1 and not config.decode:
         raise ValueError("split-KV is only for decode configs")
+    if seq_order is not None and (not config.decode or seq_order.dtype != torch.int32
+                                  or seq_order.shape != seq_lens.shape):
+        raise ValueError("seq_order is for decode configs: an int32 permutation of the sequences, one per seq_lens entry")
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
@@ -455,6 +468,7 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         block_tables,
+        seq_order if seq_order is not None else seq_lens,
         *(_rotate_args(rotate) if rotate is not None else (query,) * 7 + (0, 0, 0.0)),
         scale * math.log2(math.e),
         num_seqs,
@@ -487,6 +501,7 @@ def paged_attention(
         V_DIM_MAJOR=v_cache.stride(1) == 1,
         BALANCED=split and config.balance_programs > 0,
         ROTATE=rotate is not None,
+        ORDERED=seq_order is not None,
         NUM_KV_HEADS=num_kv_heads,
         HAS_NORM=rotate is not None and rotate.q_norm_weight is not None,
         CACHE_MAX=torch.finfo(k_cache.dtype).max if rotate is not None and k_cache.dtype == torch.float8_e4m3fn else 0.0,
