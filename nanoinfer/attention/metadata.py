@@ -29,6 +29,9 @@ class AttentionMetadata:
     # the Triton backend picks a launch configuration without a device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Decode steps: [num_seqs] int32, the sequences longest first. The attention kernel starts their programs in
+    # this order, so unequal contexts do not leave one long sequence running alone at the end of the launch.
+    seq_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

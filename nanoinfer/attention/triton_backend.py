@@ -63,6 +63,7 @@ class TritonAttentionBackend:
     def forward(self, query, k_cache, v_cache, metadata: AttentionMetadata, scale: float,
                 config: PagedAttentionConfig | None = None) -> torch.Tensor:
         """`config` replaces `launch_config`'s choice (the kernel tests pin tiles and splits)."""
+        config = config or self.launch_config(query, k_cache, metadata)
         return paged_attention(
             query,
             k_cache,
@@ -72,7 +73,8 @@ class TritonAttentionBackend:
             metadata.block_tables,
             scale,
             max_query_len=metadata.max_query_len,
-            config=config or self.launch_config(query, k_cache, metadata),
+            config=config,
+            seq_order=metadata.seq_order if config.decode else None,
         )
 
 

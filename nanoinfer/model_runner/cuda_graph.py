@@ -40,6 +40,8 @@ class CUDAGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.identity_order = torch.arange(n, dtype=torch.int32, device=device)
+        self.seq_order = self.identity_order.clone()
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -49,7 +51,8 @@ class CUDAGraphRunner:
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
             max_query_len=1, max_seq_len=self.max_model_len,
-            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs)
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs,
+            seq_order=self.seq_order[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -84,6 +87,9 @@ class CUDAGraphRunner:
         self.slot_mapping[n:bs].fill_(-1)  # padding rows write nothing ...
         self.seq_lens[:n].copy_(metadata.seq_lens)
         self.seq_lens[n:bs].fill_(1)  # ... and read one (stale but valid) slot
+        # Padding rows (length 1) come last in the launch order; without an order, the batch's own.
+        self.seq_order[:n].copy_(metadata.seq_order if metadata.seq_order is not None else self.identity_order[:n])
+        self.seq_order[n:bs].copy_(self.identity_order[n:bs])
         width = metadata.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(metadata.block_tables)
         self.graphs[bs].replay()

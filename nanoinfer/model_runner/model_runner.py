@@ -206,10 +206,12 @@ class ModelRunner:
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
         pending_rows = np.array(pending, dtype=np.int64).reshape(-1, 2)
+        decode_only = int(query_start_loc[-1]) == len(states)
+        seq_order = np.argsort(-seq_lens, kind="stable").astype(np.int32) if decode_only else np.zeros(0, np.int32)
         (slot_mapping_gpu, query_start_loc_gpu, seq_lens_gpu, block_tables_gpu, input_ids_gpu, positions_gpu,
-         logits_indices_gpu, pending_gpu) = to_device_many(
+         logits_indices_gpu, pending_gpu, seq_order_gpu) = to_device_many(
             [slot_mapping, query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables,
-             input_ids, positions, logits_indices, pending_rows], self.device)
+             input_ids, positions, logits_indices, pending_rows, seq_order], self.device)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping_gpu,
             query_start_loc=query_start_loc_gpu,
@@ -219,6 +221,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            seq_order=seq_order_gpu if decode_only else None,
         )
         if pending:
             input_ids_gpu[pending_gpu[:, 0]] = self.prev_sampled[pending_gpu[:, 1]]
