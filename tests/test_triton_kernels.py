@@ -440,8 +440,9 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     assert one_long.decode and one_long.num_splits == 32
     assert config(1, 500).num_splits == 8  # one BLOCK_N (64) step per split at least
     assert config(1, 64).num_splits == 1  # a single step: nothing to split
-    assert config(16, 2000).num_splits == 4  # 128 programs: 4 * 132 // 128
-    assert config(64, 2000).num_splits == 1  # 512 programs already fill the GPU
+    assert config(16, 2000).num_splits == 16  # 128 programs: 2 x 8 x 132 // 128
+    assert config(64, 2000).num_splits == 4  # 512 programs: 4.1
+    assert config(256, 2000).num_splits == 1  # 2048 programs fill the GPU
     assert config(1, 100_000).num_splits == 32
     prefill = config(4, 2000, max_query_len=300)
     assert not prefill.decode and prefill.num_splits == 1
@@ -450,36 +451,28 @@ def test_choose_config_splits_only_when_sequences_leave_sms_idle():
     # An fp8 cache, unsplit: 128-token steps while the grid fits the SMs at 4 programs each (528 on 132
     # SMs), beyond that 64-token steps under a register cap (more resident programs); split, and bf16: 64, no cap.
     fp8 = torch.float8_e4m3fn
-    assert config(64, 2000, cache_dtype=fp8).block_n == 128 and config(64, 2000).block_n == 64
-    assert config(64, 2000, cache_dtype=fp8).max_registers is None
-    assert (config(80, 2000, cache_dtype=fp8).block_n, config(80, 2000, cache_dtype=fp8).max_registers) == (64, 128)
+    # Split, balanced over 8 programs per SM: the fp8 kernel's register cap (uncapped it holds 4 per SM).
+    assert config(64, 2000, cache_dtype=fp8).block_n == 64 and config(64, 2000).block_n == 64
+    assert config(64, 2000, cache_dtype=fp8).max_registers == 128 and config(64, 2000).max_registers is None
+    assert (config(100, 2000, cache_dtype=fp8).num_splits, config(100, 2000, cache_dtype=fp8).max_registers) == (2, 128)
+    # Unsplit with more than 4 programs per SM: the fp8 kernel's 64-token steps under the cap; up to 4, 128.
     wide = config(256, 2000, cache_dtype=fp8)
     assert (wide.block_n, wide.max_registers) == (64, 128) and config(256, 2000).max_registers is None
-    assert config(16, 2000, cache_dtype=fp8).block_n == 64 and config(16, 2000, cache_dtype=fp8).max_registers is None
-    assert config(100, 2000).balance_programs == 0  # balanced splits are off unless NANOINFER_BALANCED_SPLITS says
+    assert (config(64, 50, cache_dtype=fp8).num_splits, config(64, 50, cache_dtype=fp8).block_n) == (1, 128)
 
 
 @kernel_test
-def test_balanced_splits_give_mid_batches_splits_sized_over_the_launch(monkeypatch):
-    """NANOINFER_BALANCED_SPLITS=8: 8 programs per SM over the launch's total context, and a grid with enough
-    splits for a sequence twice the mean context: 100 sequences (800 programs) on 132 SMs get 2 splits (2 x 8 x
-    132 // 800 = 2), 256 none, and small batches keep at least the splits they had."""
-    monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "8")
-
+def test_balanced_splits_size_mid_batches_over_the_launch():
+    """8 programs per SM over the launch's total context, and a grid with enough splits for a sequence twice
+    the mean context: 100 sequences (800 programs) on 132 SMs get 2 splits (2 x 8 x 132 // 800 = 2), each at
+    least total context x 8 KV heads / 1056 programs long; 256 sequences none (and no balance)."""
     def config(num_seqs):
         return ac.choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=1,
                                 num_seqs=num_seqs, max_seq_len=2048, num_sms=132, cache_dtype=torch.float8_e4m3fn)
 
     assert (config(100).num_splits, config(100).balance_programs) == (2, 8 * 132)
-    assert config(100).max_registers == 128  # 8 per SM need the fp8 kernel's register cap
     assert (config(256).num_splits, config(256).balance_programs, config(256).max_registers) == (1, 0, 128)
     assert config(16).num_splits == 16 and config(1).num_splits == 32
-    monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "eight")
-    with pytest.raises(ValueError, match="programs per SM"):
-        config(100)
-    monkeypatch.setenv("NANOINFER_BALANCED_SPLITS", "4")  # 4 per SM fit uncapped
-    assert (config(100).num_splits, config(100).max_registers, config(100).block_n) == (1, 128, 64)
-    assert (config(40).num_splits, config(40).max_registers, config(40).block_n) == (2, None, 64)
 
 
 @kernel_test

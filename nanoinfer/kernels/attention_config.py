@@ -5,7 +5,6 @@ and for decode how many splits cut each context and how they are sized. The cons
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,10 +28,8 @@ class PagedAttentionConfig:
     balance_programs: int = 0
 
 
-# Decode splits the context while sequences x KV heads leave the SMs short of
-# about 4 resident programs each, into pieces of at least one BLOCK_N step.
-# Tile shapes and both constants come from bench/kernels.py sweeps on an H200.
-_SPLIT_TARGET_PROGRAMS_PER_SM = 4
+# Decode splits are at least one BLOCK_N step long, at most MAX_SPLITS per context (balanced splits, below,
+# decide how many). Tile shapes and constants come from bench/kernels.py sweeps on an H200.
 MAX_SPLITS = 32
 DECODE_BLOCK_N = 64
 # An fp8 cache, unsplit decode (bench/RESULTS.md, H200): the fp8 kernel is bound by latency at 2 warps per
@@ -46,24 +43,19 @@ _FP8_WIDE_GRID_REGISTERS = 128
 _PREFILL_TILE_ROWS = 64  # query tokens x query heads per tile
 
 
-# Balanced splits (NANOINFER_BALANCED_SPLITS=<programs per SM>, off until measured on the reference workload,
-# bench/NOTES.md): a launch's splits are sized for that many programs per SM over its total context. The grid
-# gets enough splits for a sequence of up to _BALANCE_SKEW x the mean context to reach that size.
+# Balanced splits: while sequences x KV heads leave the SMs short of _BALANCE_PROGRAMS_PER_SM programs each,
+# decode splits the context, each split at least (the launch's total context x KV heads / that many programs)
+# long, so in a batch of unequal contexts long sequences split and short ones do not. The grid gets enough
+# splits for a sequence of up to _BALANCE_SKEW x the mean context to reach that size. On the reference workload
+# with longest-first launches (H200, fp8): 29.9-30.0k -> 30.4-30.5k tok/s against 4 programs per SM with
+# equal splits per sequence (bench/RESULTS.md).
+_BALANCE_PROGRAMS_PER_SM = 8
 _BALANCE_SKEW = 2
-
-
-def balanced_programs_per_sm() -> int:
-    value = os.environ.get("NANOINFER_BALANCED_SPLITS", "") or "0"
-    if not value.isdigit():
-        raise ValueError(f"NANOINFER_BALANCED_SPLITS must be a number of programs per SM (0: off), got {value!r}")
-    return int(value)
 
 
 def _decode_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     """Power of two (few compiled variants, stable CUDA-graph buckets)."""
-    wanted = _SPLIT_TARGET_PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
-    if balanced_programs_per_sm():
-        wanted = max(wanted, _BALANCE_SKEW * balanced_programs_per_sm() * num_sms // max(num_programs, 1))
+    wanted = _BALANCE_SKEW * _BALANCE_PROGRAMS_PER_SM * num_sms // max(num_programs, 1)
     splits = max(1, min(wanted, triton.cdiv(max_seq_len, DECODE_BLOCK_N), MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
@@ -92,13 +84,12 @@ def choose_config(
             num_warps=2,
             num_stages=3,
         )
-        balance = balanced_programs_per_sm() if num_splits > 1 else 0
-        if balance:
-            config = replace(config, balance_programs=balance * num_sms)
+        if num_splits > 1:
+            config = replace(config, balance_programs=_BALANCE_PROGRAMS_PER_SM * num_sms)
         if cache_dtype == torch.float8_e4m3fn:
             # The register cap where more than 4 programs per SM are to run at once: a wide unsplit grid,
-            # or balanced splits aimed at more (uncapped, the fp8 kernel takes ~210 registers: 4 per SM).
-            if (num_seqs * num_kv_heads if num_splits == 1 else balance * num_sms) > \
+            # or balanced splits (aimed at 8; uncapped, the fp8 kernel takes ~210 registers: 4 per SM).
+            if (num_seqs * num_kv_heads if num_splits == 1 else config.balance_programs) > \
                     _FP8_WIDE_GRID_PROGRAMS_PER_SM * num_sms:
                 return replace(config, max_registers=_FP8_WIDE_GRID_REGISTERS)
             if num_splits == 1:
