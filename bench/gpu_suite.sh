@@ -3,13 +3,13 @@
 # latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
 # all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
 # where it was); logs go to $OUT unpiped.
-#   bash bench/gpu_suite.sh [all|tests|kernel_tests|bench|serving|profile|kernels|experiments|mixes]
+#   bash bench/gpu_suite.sh [all|tests|kernel_tests|bench|serving|profile|kernels|mixes]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
 source "$(dirname "$0")/suite_common.sh"
 if [ "$what" = all ] || [ "$what" = tests ]; then
   run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
-    -k "not experimental" -v -s -p no:cacheprovider --timeout 150
+    -v -s -p no:cacheprovider --timeout 150
 fi
 if [ "$what" = all ] || [ "$what" = kernel_tests ]; then  # ~6 min on an H200: a call of its own
   run 450 gpu_kernel_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_triton_gpu.py \
@@ -25,20 +25,11 @@ if [ "$what" = kernels ]; then  # not part of "all": kernel micro-benchmarks (sk
   run 200 kernels_gemm python3 bench/kernels.py --gemm --quick --json "$OUT/kernels_gemm.json"
   run 200 kernels_attention python3 bench/kernels.py --quick --json "$OUT/kernels_attention.json"
 fi
-if [ "$what" = experiments ]; then  # not part of "all": the off-by-default decode settings (docs/gpu.md)
-  run 330 gpu_experimental_settings python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py -k experimental \
-    -v -s -p no:cacheprovider --timeout 150
-  run 200 kernels_decode_mix_fp8 python3 bench/kernels.py --decode-mix --kv-cache-dtype fp8 --json "$OUT/decode_mix_fp8.json"
-  grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_fp8.log" | cut -c1-220
-  for hm in 0 1; do
-    run 150 "kernels_fp8_head_major_$hm" env NANOINFER_HEAD_MAJOR_KV=$hm python3 bench/kernels.py --quick \
-      --kv-cache-dtype fp8 --json "$OUT/kernels_fp8_head_major_$hm.json"
-    grep -E "^ +(1|16|64|256) +(500|1000|2000) " "$OUT/kernels_fp8_head_major_$hm.log"
-  done
-fi
-if [ "$what" = mixes ]; then  # not part of "all": prefill tiles and bf16 decode over the workload's own batches
+if [ "$what" = mixes ]; then  # not part of "all": prefill tiles and fp8 / bf16 decode over the workload's own batches
   run 300 kernels_prefill_mix python3 bench/kernels.py --prefill-mix --kv-cache-dtype fp8 --json "$OUT/prefill_mix.json"
   grep -A10 "prefill over" "$OUT/kernels_prefill_mix.log"
+  run 200 kernels_decode_mix_fp8 python3 bench/kernels.py --decode-mix --kv-cache-dtype fp8 --json "$OUT/decode_mix_fp8.json"
+  grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_fp8.log" | cut -c1-220
   run 200 kernels_decode_mix_bf16 python3 bench/kernels.py --decode-mix --json "$OUT/decode_mix_bf16.json"
   grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_bf16.log" | cut -c1-220
 fi

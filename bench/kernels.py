@@ -28,7 +28,7 @@ import torch
 import triton
 
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
-from nanoinfer.layers.attention import k_cache_view, v_cache_view
+from nanoinfer.layers.attention import v_cache_view
 from nanoinfer.kernels.attention_config import DECODE_BLOCK_N, PagedAttentionConfig, choose_config
 from nanoinfer.kernels.paged_attention import paged_attention
 from nanoinfer.model_runner.cuda_graph import batch_size_buckets
@@ -58,7 +58,7 @@ class Pool:
         kv = torch.empty(2, self.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=cache_dtype)
         for part in kv.view(-1, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).split(1 << 12):  # no full-size bf16 temporary
             part.copy_(torch.randn(part.shape, device="cuda", dtype=DTYPE))
-        self.k_cache, self.v_cache = k_cache_view(kv[0]), v_cache_view(kv[1])  # the engine's layouts
+        self.k_cache, self.v_cache = kv[0], v_cache_view(kv[1])  # the engine's layouts
         self.l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
         self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count
 

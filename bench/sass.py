@@ -10,7 +10,7 @@ figures in bench/RESULTS.md (fp8 decode under the 128-register cap: 874 instruct
 This is how the fp8 decode kernel's byte-wise V loads were found (bench/NOTES.md): 128 `LDS.U8` per thread per
 64-token step. Instruction counts are not times; measure on the GPU before believing a change.
 
-    python bench/sass.py [--kv-cache-dtype fp8] [--token-major-v] [--prefill] [--batch 16] [--rotate]
+    python bench/sass.py [--kv-cache-dtype fp8] [--token-major-v] [--prefill] [--batch 16]
                          [--num-splits 4] [--balance-programs 1056] [--block-n 128] [--num-warps 4]
                          [--num-stages 5] [--maxnreg 128] [--top 30]
 """
@@ -33,7 +33,6 @@ from triton.compiler import ASTSource
 
 from nanoinfer.kernels import paged_attention as pa
 from nanoinfer.kernels.attention_config import choose_config
-from nanoinfer.kernels.rotate_and_cache import RotateInputs
 from nanoinfer.layers.attention import v_cache_view
 
 _POINTER_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -103,10 +102,10 @@ def _opcode(instruction: str) -> str:
 
 
 def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: bool, batch: int = 256,
-                     rotate: bool = False, **config_overrides):
+                     **config_overrides):
     """A Qwen3-0.6B-shaped paged_attention call on CPU tensors (16 query / 8 KV heads, head_dim 128, block 16):
     four sequences of 100 tokens, decoding one token each or prefilling 50, with the tiles `choose_config` gives
-    a batch of `batch` sequences; `rotate`: decode with rotate_and_cache's work fused in (Qwen3's norms)."""
+    a batch of `batch` sequences."""
     num_seqs, seq_len, q_len = 4, 100, 50 if prefill else 1
     kv = torch.zeros(2, 64, 16, 8, 128, dtype=cache_dtype)
     k_cache, v_cache = kv[0], kv[1] if token_major_v else v_cache_view(kv[1])
@@ -117,21 +116,15 @@ def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: 
     config = choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=q_len,
                            num_seqs=batch, max_seq_len=1000, num_sms=132, cache_dtype=cache_dtype)
     config = dataclasses.replace(config, **config_overrides)
-    inputs = None
-    if rotate:
-        cos, weight = torch.zeros(4096, 64), torch.ones(128, dtype=torch.bfloat16)
-        inputs = RotateInputs(torch.zeros(num_seqs, 32 * 128, dtype=torch.bfloat16), torch.zeros(num_seqs, dtype=torch.long),
-                              cos, cos, weight, weight, 1e-6, torch.zeros(num_seqs, dtype=torch.long))
     return lambda: pa.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.1,
-                                      max_query_len=q_len, config=config, rotate=inputs)
+                                      max_query_len=q_len, config=config)
 
 
 def attention_report(cache_dtype: torch.dtype, *, prefill: bool = False, token_major_v: bool = False,
-                     maxnreg: int | None = None, batch: int = 256, rotate: bool = False,
-                     **config_overrides) -> Report:
+                     maxnreg: int | None = None, batch: int = 256, **config_overrides) -> Report:
     kernel = pa._paged_attention_kernel
     args, kwargs = capture_launch(kernel, attention_launch(cache_dtype, prefill=prefill, token_major_v=token_major_v,
-                                                           batch=batch, rotate=rotate, **config_overrides))
+                                                           batch=batch, **config_overrides))
     kwargs.update(USE_PDL=True, launch_pdl=True)  # as on the GPU
     return report(compile_for_sm90(kernel, args, kwargs, maxnreg=maxnreg))
 
@@ -142,7 +135,6 @@ def main() -> None:
     p.add_argument("--token-major-v", action="store_true", help="V laid out as K (an fp8 cache's V is dim-major)")
     p.add_argument("--prefill", action="store_true", help="the prefill variant (50-token chunks) instead of decode")
     p.add_argument("--batch", type=int, default=256, help="the launch config choose_config gives this many sequences")
-    p.add_argument("--rotate", action="store_true", help="decode with rotate_and_cache fused in (NANOINFER_FUSED_DECODE)")
     p.add_argument("--num-splits", type=int)
     p.add_argument("--balance-programs", type=int)
     p.add_argument("--block-n", type=int)
@@ -156,7 +148,7 @@ def main() -> None:
                                    ("balance_programs", args.balance_programs)) if v is not None}
     dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     r = attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v, maxnreg=args.maxnreg,
-                         batch=args.batch, rotate=args.rotate, **overrides)
+                         batch=args.batch, **overrides)
     print(f"triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
           f"{r.shared_bytes} B shared memory")
     for i, loop in enumerate(r.loops):

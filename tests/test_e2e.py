@@ -121,17 +121,6 @@ def test_prefix_cache_hits_keep_outputs(tiny_models, tiny_reference) -> None:
     assert outs[0].num_cached_tokens == 0  # the first prompt prefilled again (later ones share its prefix)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_head_major_kv_cache_keeps_outputs(tiny_models, tiny_reference, monkeypatch, kv_cache_dtype) -> None:
-    """NANOINFER_HEAD_MAJOR_KV=1 changes where K/V bytes lie inside each block, not what is stored: the same
-    tokens as the default layout, with a prefix-cache hit and preemption in the mix."""
-    kwargs = dict(num_kv_blocks=24, block_size=4, kv_cache_dtype=kv_cache_dtype)
-    default = _tokens(LLM(tiny_models["llama"], **kwargs)) if kv_cache_dtype == "fp8" else tiny_reference
-    monkeypatch.setenv("NANOINFER_HEAD_MAJOR_KV", "1")
-    llm = LLM(tiny_models["llama"], **kwargs)
-    assert _tokens(llm) == default and llm.engine.core.scheduler.num_preemptions > 0
-
-
 def test_chunked_prefill_keeps_outputs(tiny_models, tiny_reference) -> None:
     llm = LLM(tiny_models["llama"], max_num_batched_tokens=7, kv_cache_memory_bytes=SMALL_KV, block_size=4)
     assert _tokens(llm) == tiny_reference

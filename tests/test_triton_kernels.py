@@ -13,8 +13,7 @@ from triton_child import RUN_HERE, interpreter_child, kernel_test
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
-from nanoinfer.kernels import num_sms
-from nanoinfer.layers.attention import Attention, bind_kv_cache, dim_major_view, head_major_view
+from nanoinfer.layers.attention import dim_major_view
 
 if RUN_HERE:
     from nanoinfer.attention import triton_backend
@@ -195,49 +194,6 @@ def test_dim_major_view_keeps_block_ids_and_puts_tokens_of_a_dim_together():
     assert (cache[1] == -1).sum().item() == 1 and (cache[0] >= 0).all() and (cache[2] >= 0).all()
 
 
-def test_head_major_view_keeps_block_ids_and_puts_a_heads_rows_together(monkeypatch):
-    cache = torch.arange(3 * 4 * 2 * 8).view(3, 4, 2, 8)  # [blocks, block_size, kv_heads, head_dim]
-    view = head_major_view(cache)
-    assert view.shape == cache.shape and view.stride() == (64, 8, 32, 1) and view.data_ptr() == cache.data_ptr()
-    assert view[2, 3, 1, 5].item() == 2 * 64 + 1 * 32 + 3 * 8 + 5  # in memory: block, head, slot, dim
-    # NANOINFER_HEAD_MAJOR_KV=1: the engine binds K (and a non-fp8 V) head-major; an fp8 V stays dim-major.
-    attention = Attention(4, 2, 8, 0.1)
-    model = torch.nn.Sequential(attention)
-    monkeypatch.setenv("NANOINFER_HEAD_MAJOR_KV", "1")
-    for dtype, v_stride in ((torch.float32, (8, 32, 1)), (torch.float8_e4m3fn, (1, 32, 4))):
-        bind_kv_cache(model, torch.zeros(2, 1, 3, 4, 2, 8, dtype=dtype), TorchAttentionBackend())
-        assert attention.k_cache.stride()[1:] == (8, 32, 1) and attention.v_cache.stride()[1:] == v_stride
-    monkeypatch.delenv("NANOINFER_HEAD_MAJOR_KV")
-    bind_kv_cache(model, torch.zeros(2, 1, 3, 4, 2, 8), TorchAttentionBackend())
-    assert attention.k_cache.stride()[1:] == (16, 8, 1)
-
-
-@kernel_test
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_splits", [None, 4])  # None: a mixed batch; 4: split decode
-def test_head_major_cache_matches_reference(cache_dtype, num_splits):
-    """K (and a V kept as K) head-major inside each block: the kernels take any block-internal strides, so
-    rotate_and_cache's stores and attention's loads give the same results as with the default layout."""
-    q_lens, seq_lens = MIXED if num_splits is None else ([1] * 5, [1, 16, 17, 33, 70])
-    dtype = torch.bfloat16 if cache_dtype == torch.float8_e4m3fn else torch.float16
-    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, dtype)
-    if cache_dtype == torch.float8_e4m3fn:
-        k_cache, v_cache, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
-    k_head = head_major_view(torch.empty_like(k_cache))
-    k_head.copy_(k_cache)
-    v_head = v_cache if cache_dtype == torch.float8_e4m3fn else head_major_view(torch.empty_like(v_cache))
-    v_head.copy_(v_cache)
-    overrides = {} if num_splits is None else dict(block_n=16, num_splits=num_splits)
-    out = run_kernel(query, k_head, v_head, md, 0.125, **overrides)
-    assert torch.equal(out, run_kernel(query, k_cache, v_cache, md, 0.125, **overrides))
-    qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(3, 4, 2, 64, dtype, qk_norm=True)
-    slots = torch.tensor([5, -1, 40], dtype=torch.int64, device=DEVICE)
-    for k, v in ((k_cache, v_cache), (k_head, v_head)):
-        triton_backend.TritonAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k, v, slots, 4)
-    assert torch.equal(k_head.float().nan_to_num(7.0), k_cache.float().nan_to_num(7.0))
-    assert torch.equal(v_head.float().nan_to_num(7.0), v_cache.float().nan_to_num(7.0))
-
-
 def test_fp8_cache_values_are_finite():
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), -1000.0, 1.5, -0.0])
     assert to_cache_dtype(x, torch.float8_e4m3fn).float().tolist() == [0.0, 448.0, -448.0, -448.0, 1.5, 0.0]
@@ -287,79 +243,6 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
     assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
     out = backend.forward(query, k_cache, v_cache, md, 0.125)
     assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), sum(q_lens)) < REL_TOL[torch.float16]
-
-
-@kernel_test
-@pytest.mark.parametrize("cache", ["float16", "fp8"])
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_with_rotate_fused_matches_the_two_kernels(cache, qk_norm, num_splits):
-    """Decode attention doing rotate_and_cache's work itself (`rotate=`) gives bit for bit the queries, cache and
-    output of rotate_and_cache followed by attention: the same norm / RoPE code, each query head rotated by
-    every split of its KV head, this step's K/V stored by the split holding the newest position and read back
-    in the same launch. A padding row (slot -1, length 1) stores nothing. fp16, and fp8 with bf16 queries and a
-    dim-major V; 1 and 4 splits (block_n 16)."""
-    dtype = torch.bfloat16 if cache == "fp8" else torch.float16
-    seq_lens = [20, 5, 33, 70, 1]
-    _, k_cache, v_cache, md = make_batch([1] * 5, seq_lens, 4, 2, 64, torch.float16)
-    if cache == "fp8":
-        k_cache, v_cache, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
-    slots = [int(md.block_tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE for i, n in
-             enumerate(seq_lens[:-1])]
-    slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64, device=DEVICE)
-    qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(5, 4, 2, 64, dtype, qk_norm=qk_norm)
-    positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
-    weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else (None, None, 0.0)
-    rotate = rc.RotateInputs(qkv, positions, rope.cos_cache, rope.sin_cache, *weights, slot_mapping)
-    config = dataclasses.replace(triton_backend.TritonAttentionBackend().launch_config(torch.empty(5, 4, 64, dtype=dtype), k_cache, md),
-                                 block_n=16, num_splits=num_splits)
-    k2, v2 = k_cache.clone(), v_cache.clone()
-    query = rc.rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache, *weights, k2, v2, slot_mapping, 4)
-    out = pa.paged_attention(query, k2, v2, md.query_start_loc, md.seq_lens, md.block_tables, 0.125, max_query_len=1,
-                             config=config)
-    fused_query = torch.full_like(query, float("nan"))
-    fused_out = pa.paged_attention(fused_query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables,
-                                   0.125, max_query_len=1, config=config, rotate=rotate)
-    assert torch.equal(fused_query, query) and torch.equal(fused_out[:4], out[:4])
-    for fused, separate in ((k_cache, k2), (v_cache, v2)):
-        assert torch.equal(fused.float().nan_to_num(7.0), separate.float().nan_to_num(7.0))
-    with pytest.raises(ValueError, match="decode attention only"):
-        pa.paged_attention(fused_query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125,
-                           max_query_len=1, config=dataclasses.replace(config, decode=False, num_splits=1),
-                           rotate=rotate)
-
-
-@kernel_test
-def test_backend_fuses_decode_rotate_only_when_asked(monkeypatch):
-    """NANOINFER_FUSED_DECODE=1: the backend's decode step is the one fused kernel, with the two kernels' result;
-    prefill steps keep the two kernels."""
-    backend = triton_backend.TritonAttentionBackend()
-    seq_lens = [9, 17]
-    _, k_cache, v_cache, md = make_batch([1, 1], seq_lens, 4, 2, 64, torch.float16)
-    md.slot_mapping = torch.tensor([int(md.block_tables[i, (n - 1) // BLOCK_SIZE]) * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
-                                    for i, n in enumerate(seq_lens)], dtype=torch.int64, device=DEVICE)
-    qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(2, 4, 2, 64, torch.float16, qk_norm=True)
-    positions = torch.tensor([n - 1 for n in seq_lens], device=DEVICE)
-    k2, v2 = k_cache.clone(), v_cache.clone()
-    out = backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k2, v2, md, 4, 0.125)
-    launches = []
-    original = pa.paged_attention
-    monkeypatch.setattr(triton_backend, "paged_attention", lambda *a, **kw: launches.append(kw.get("rotate")) or original(*a, **kw))
-    monkeypatch.setattr(triton_backend, "rotate_and_cache", None)  # must not be called
-    monkeypatch.setenv("NANOINFER_FUSED_DECODE", "1")
-    fused = backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md, 4, 0.125)
-    assert len(launches) == 1 and launches[0] is not None
-    # Compiled on a GPU, the rotation's multiply-adds may contract differently inside attention: one fp16 ulp.
-    torch.testing.assert_close(fused, out, rtol=2**-10, atol=2**-10 * out.abs().max().item())
-    torch.testing.assert_close(k_cache, k2, rtol=2**-10, atol=2**-10 * 4, equal_nan=True)
-    # An fp8 cache on a launch that caps registers (16 programs per SM, whatever the device's SM count) keeps
-    # two kernels.
-    k8, v8, _ = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
-    wide = dataclasses.replace(md, seq_lens_cpu=md.seq_lens_cpu * 4 * num_sms(k8.device))  # the config's view
-    assert backend.launch_config(fused, k8, wide).max_registers is not None
-    monkeypatch.setattr(triton_backend, "rotate_and_cache", rc.rotate_and_cache)
-    backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, k8, v8, wide, 4, 0.125)
-    assert len(launches) == 2 and launches[1] is None
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,7 @@ engine's single preallocated KV tensor:
   `slot_mapping` slots and returns the queries (one op, so a GPU backend can
   do it in one kernel);
 * `forward` runs causal attention of the step's queries over each sequence's
-  whole context, read through its block table;
-* `rotate_cache_and_attend`, what the attention layer calls: the two above,
-  which a backend may fuse (the Triton one can for decode steps).
+  whole context, read through its block table.
 
 The scheduler never sees a backend; the model runner picks one at start-up.
 """
@@ -50,21 +48,6 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        ...
-
-    def rotate_cache_and_attend(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        q_norm: RMSNorm | None,
-        k_norm: RMSNorm | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        num_heads: int,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

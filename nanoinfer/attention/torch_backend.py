@@ -27,13 +27,6 @@ class TorchAttentionBackend:
                       slot_mapping)
         return q.view(-1, num_heads, head_dim)
 
-    def rotate_cache_and_attend(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
-                                k_norm: RMSNorm | None, k_cache, v_cache, metadata: AttentionMetadata, num_heads: int,
-                                scale: float) -> torch.Tensor:
-        q = self.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, metadata.slot_mapping,
-                                  num_heads)
-        return self.forward(q, k_cache, v_cache, metadata, scale)
-
     @staticmethod
     def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         """Store key/value row t at cache slot `slot_mapping[t]` (-1: skip)."""

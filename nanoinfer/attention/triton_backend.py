@@ -6,15 +6,13 @@ can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.kernels import num_sms
 from nanoinfer.kernels.attention_config import PagedAttentionConfig, choose_config
 from nanoinfer.kernels.paged_attention import paged_attention
-from nanoinfer.kernels.rotate_and_cache import RotateInputs, rotate_and_cache
+from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
 
@@ -24,28 +22,11 @@ class TritonAttentionBackend:
 
     def rotate_and_cache(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
                          k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:
-        r = _rotate_inputs(qkv, positions, rope, q_norm, k_norm, slot_mapping)
-        return rotate_and_cache(r.qkv, r.positions, r.cos_cache, r.sin_cache, r.q_norm_weight, r.k_norm_weight, r.eps,
-                                k_cache, v_cache, r.slot_mapping, num_heads)
-
-    def rotate_cache_and_attend(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
-                                k_norm: RMSNorm | None, k_cache, v_cache, metadata: AttentionMetadata, num_heads: int,
-                                scale: float) -> torch.Tensor:
-        """Decode steps with NANOINFER_FUSED_DECODE=1 (off until measured): one kernel, the attention kernel
-        doing rotate_and_cache's work first, unless the launch caps registers (the fp8 wide grid: there ptxas
-        gives the fused loop ~5% more instructions, more than the saved launch is worth at that batch size);
-        otherwise the two kernels."""
-        config = query = None
-        if metadata.is_decode_only and fused_decode_enabled():
-            query = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype, device=qkv.device)
-            config = self.launch_config(query, k_cache, metadata)
-        if config is None or config.max_registers is not None:
-            q = self.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, metadata.slot_mapping,
-                                      num_heads)
-            return self.forward(q, k_cache, v_cache, metadata, scale, config)
-        return paged_attention(query, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens,
-                               metadata.block_tables, scale, max_query_len=metadata.max_query_len, config=config,
-                               rotate=_rotate_inputs(qkv, positions, rope, q_norm, k_norm, metadata.slot_mapping))
+        if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):
+            raise ValueError("q_norm and k_norm must both be given, with the same eps, or neither")
+        return rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache,
+                                None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+                                0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping, num_heads)
 
     def launch_config(self, query, k_cache, metadata: AttentionMetadata) -> PagedAttentionConfig:
         """The kernel's tiles and split count for this batch, from host ints only."""
@@ -76,15 +57,3 @@ class TritonAttentionBackend:
             config=config,
             seq_order=metadata.seq_order if config.decode else None,
         )
-
-
-def fused_decode_enabled() -> bool:
-    return os.environ.get("NANOINFER_FUSED_DECODE") == "1"
-
-
-def _rotate_inputs(qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None,
-                   slot_mapping) -> RotateInputs:
-    if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):
-        raise ValueError("q_norm and k_norm must both be given, with the same eps, or neither")
-    return RotateInputs(qkv, positions, rope.cos_cache, rope.sin_cache, None if q_norm is None else q_norm.weight,
-                        None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps, slot_mapping)

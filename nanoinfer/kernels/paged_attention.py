@@ -33,8 +33,6 @@ the rest (the launch's total is summed from `seq_lens` before the PDL wait, so i
 needs no host value and a CUDA graph replays it). Every launch parameter comes from host ints
 (shapes and `max_query_len` / `max_seq_len`, through `attention_config.choose_config`), never
 from device tensors, so decode launches can be captured in a CUDA graph.
-
-With `rotate` (decode only) the kernel first does `rotate_and_cache`'s work for its KV head.
 """
 
 from __future__ import annotations
@@ -47,7 +45,6 @@ import triton.language as tl
 
 from nanoinfer.kernels import arrival_counters, pdl_enabled
 from nanoinfer.kernels.attention_config import PagedAttentionConfig, max_splits
-from nanoinfer.kernels.rotate_and_cache import RotateInputs, rotate_and_cache_head
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -136,29 +133,6 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit(noinline=True)
-def _rotate_for_decode(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr, k_cache_ptr,
-                       v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb, stride_cs,
-                       stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token, kv_head, store_kv,
-                       QUERY_GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, CACHE_MAX: tl.constexpr):
-    """rotate_and_cache's work for one token and KV head: its query heads, and its K/V row if `store_kv`.
-    Not inlined: its registers stay out of the attention loop's allocation (inlined, ptxas gave the fp8 loop
-    ~40 more moves per step under the 128-register cap)."""
-    for g in tl.static_range(QUERY_GROUP):
-        rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                              k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb,
-                              stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token,
-                              kv_head * QUERY_GROUP + g, QUERY_GROUP * NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                              BLOCK_SIZE, HAS_NORM, CACHE_MAX)
-    if store_kv:
-        rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                              k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb,
-                              stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, token,
-                              QUERY_GROUP * NUM_KV_HEADS + kv_head, QUERY_GROUP * NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM,
-                              BLOCK_SIZE, HAS_NORM, CACHE_MAX)
-
-
 # Triton compiles a variant per integer argument that is 1, divisible by 16, or neither. The batch's
 # sequence count and the split count change every step, so they are not specialised: one compile per
 # tile configuration, done at start-up, instead of a ~1 s compile in the middle of a run.
@@ -175,16 +149,6 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     seq_order_ptr,  # ORDERED: [num_seqs] int32, the sequences longest first
-    qkv_ptr,  # ROTATE: rotate_and_cache's inputs (RotateInputs); the query buffer is then written here
-    positions_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_weight_ptr,
-    k_weight_ptr,
-    slot_mapping_ptr,
-    stride_qkv,
-    stride_rope,
-    eps,
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     num_seqs,
     num_splits,
@@ -219,11 +183,8 @@ def _paged_attention_kernel(
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
     BALANCED: tl.constexpr,  # split lengths from the launch's total context (balance_programs)
-    ROTATE: tl.constexpr,  # decode only: do rotate_and_cache's work first (norms, RoPE, this step's K/V)
     ORDERED: tl.constexpr,  # decode only: programs take (sequence, KV head) pairs in seq_order's order
     NUM_KV_HEADS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    CACHE_MAX: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Until the PDL wait the program reads only the step's metadata (query_start_loc, seq_lens, written
@@ -277,17 +238,6 @@ def _paged_attention_kernel(
             return
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the query and this step's K/V come from the previous kernel
-    if ROTATE:
-        # One kernel boundary fewer per layer: this program normalises and rotates its KV head's query heads
-        # into the query buffer (every split of the head writes the same values), and the one whose range
-        # holds the newest position stores this step's K/V row; a block barrier makes both visible to the
-        # loads below (the cache's through L2).
-        _rotate_for_decode(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                           k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_qt, stride_rope, stride_cb,
-                           stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps, q_start.to(tl.int64),
-                           kv_head, kv_stop >= seq_len, QUERY_GROUP, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM,
-                           CACHE_MAX)
-        tl.debug_barrier()
     q = tl.load(
         query_ptr + token_row[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None],
@@ -416,24 +366,14 @@ def paged_attention(
     *,
     max_query_len: int,
     config: PagedAttentionConfig,
-    rotate: RotateInputs | None = None,
     seq_order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation
 ) -> torch.Tensor:
-    """Causal attention of each sequence's queries over its paged context. With `rotate` (a decode config
-    only) the kernel first does `rotate_and_cache`'s work on those inputs and writes the queries into
-    `query`, whose contents on entry are not read. With `seq_order` (a decode config only: the sequences
-    longest first) the launch runs the longest contexts first, so unequal contexts leave a short tail."""
+    """Causal attention of each sequence's queries over its paged context. With `seq_order` (a decode config
+    only: the sequences longest first) the launch runs the longest contexts first, so unequal contexts leave a
+    short tail."""
     _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
     if config.decode and max_query_len > 1:
         raise ValueError(f"a decode config needs max_query_len <= 1, got {max_query_len}")
-    if rotate is not None:
-        if not config.decode:
-            raise ValueError("rotate_and_cache fuses into decode attention only (max_query_len <= 1)")
-        if not query.is_contiguous():
-            raise ValueError("with rotate, query must be a contiguous [num_tokens, num_heads, head_dim] buffer")
-        rotate.check(k_cache, v_cache, query.shape[1])
-        if rotate.qkv.shape[0] != query.shape[0]:
-            raise ValueError(f"qkv has {rotate.qkv.shape[0]} rows for {query.shape[0]} query rows")
     if config.num_splits > 1 and not config.decode:
         raise ValueError("split-KV is only for decode configs")
     if seq_order is not None and (not config.decode or seq_order.dtype != torch.int32
@@ -469,7 +409,6 @@ def paged_attention(
         seq_lens,
         block_tables,
         seq_order if seq_order is not None else seq_lens,
-        *(_rotate_args(rotate) if rotate is not None else (query,) * 7 + (0, 0, 0.0)),
         scale * math.log2(math.e),
         num_seqs,
         config.num_splits,
@@ -500,11 +439,8 @@ def paged_attention(
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         V_DIM_MAJOR=v_cache.stride(1) == 1,
         BALANCED=split and config.balance_programs > 0,
-        ROTATE=rotate is not None,
         ORDERED=seq_order is not None,
         NUM_KV_HEADS=num_kv_heads,
-        HAS_NORM=rotate is not None and rotate.q_norm_weight is not None,
-        CACHE_MAX=torch.finfo(k_cache.dtype).max if rotate is not None and k_cache.dtype == torch.float8_e4m3fn else 0.0,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -512,11 +448,3 @@ def paged_attention(
         **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     return out
-
-
-def _rotate_args(rotate: RotateInputs) -> tuple:
-    """The kernel's rotate_and_cache arguments (norm weights: any pointer when there is no norm, unread)."""
-    q_weight = rotate.q_norm_weight if rotate.q_norm_weight is not None else rotate.cos_cache
-    k_weight = rotate.k_norm_weight if rotate.k_norm_weight is not None else rotate.cos_cache
-    return (rotate.qkv, rotate.positions, rotate.cos_cache, rotate.sin_cache, q_weight, k_weight, rotate.slot_mapping,
-            rotate.qkv.stride(0), rotate.cos_cache.stride(0), rotate.eps)

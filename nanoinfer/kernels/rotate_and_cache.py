@@ -13,17 +13,12 @@ never needs the host to look at slot_mapping. Large launches give a program seve
 heads (`choose_heads_per_program`): thousands of one-warp programs cost more to
 schedule than their work.
 
-Decode attention can do this work itself (`paged_attention(..., rotate=RotateInputs(...))`, with
-`rotate_and_cache_head` per head), saving a launch and a kernel boundary per layer.
-
 Rounding follows the PyTorch path (`rms_norm_math`, `_rotate` in layers/): norm
 statistics in float32, normalised value rounded to the model dtype before the
 weight multiply, rotation in float32, result rounded once.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -71,14 +66,14 @@ def _rotate_and_cache_kernel(
     for i in tl.static_range(HEADS_PER_PROGRAM):  # one head after another
         head = tl.program_id(1) * HEADS_PER_PROGRAM + i
         if head < NUM_HEADS + NUM_KV_HEADS:
-            rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+            _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
                                    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
                                    stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
                                    token, head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
 
 
 @triton.jit
-def rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
+def _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
                            k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
                            stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
                            token, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -146,28 +141,21 @@ def choose_heads_per_program(num_tokens: int, total_heads: int) -> int:
     return 1 << (heads.bit_length() - 1) if heads > 1 else 1
 
 
-@dataclass(frozen=True)
-class RotateInputs:
-    """What `rotate_and_cache` takes besides the cache: handed to decode attention, which does the same work
-    itself (`paged_attention(..., rotate=...)`)."""
-
-    qkv: torch.Tensor  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-    positions: torch.Tensor  # [num_tokens] int64
-    cos_cache: torch.Tensor  # [max_position, head_dim // 2] float32
-    sin_cache: torch.Tensor
-    q_norm_weight: torch.Tensor | None  # both or neither: Qwen3's per-head RMSNorm
-    k_norm_weight: torch.Tensor | None
-    eps: float
-    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = skip
-
-    def check(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> None:
-        check_rotate_inputs(self.qkv, self.positions, self.cos_cache, self.sin_cache, self.q_norm_weight,
-                            self.k_norm_weight, k_cache, v_cache, self.slot_mapping, num_heads)
-
-
-def check_rotate_inputs(qkv, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, k_cache, v_cache,
-                        slot_mapping, num_heads: int) -> None:
-    """Clear errors for what `rotate_and_cache` (and the decode attention that fuses it) cannot take."""
+def rotate_and_cache(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim // 2] float32
+    sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,  # [head_dim], with k_norm_weight: Qwen3's per-head RMSNorm
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    num_heads: int,
+    heads_per_program: int | None = None,  # None: `choose_heads_per_program`
+) -> torch.Tensor:
+    """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError("k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] views of one dtype")
     num_tokens = qkv.shape[0]
@@ -187,27 +175,6 @@ def check_rotate_inputs(qkv, positions, cos_cache, sin_cache, q_norm_weight, k_n
         raise ValueError("give both q and k norm weights or neither")
     if k_cache.stride(3) != 1:
         raise ValueError("the cache needs a contiguous last (head_dim) dimension")
-
-
-def rotate_and_cache(
-    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-    positions: torch.Tensor,  # [num_tokens] int64
-    cos_cache: torch.Tensor,  # [max_position, head_dim // 2] float32
-    sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None,  # [head_dim], with k_norm_weight: Qwen3's per-head RMSNorm
-    k_norm_weight: torch.Tensor | None,
-    eps: float,
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
-    num_heads: int,
-    heads_per_program: int | None = None,  # None: `choose_heads_per_program`
-) -> torch.Tensor:
-    """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
-    check_rotate_inputs(qkv, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, k_cache, v_cache,
-                        slot_mapping, num_heads)
-    num_tokens = qkv.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     query = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return query

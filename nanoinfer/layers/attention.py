@@ -4,8 +4,6 @@ this step's K/V into its slice of the paged cache, then attend over it."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -30,8 +28,10 @@ class Attention(nn.Module):
         q_norm/k_norm: Qwen3's RMSNorm over each query and key head, applied before rotation."""
         if self.backend is None or self.k_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call ModelRunner.bind_kv_cache first")
-        out = self.backend.rotate_cache_and_attend(qkv, positions, rope, q_norm, k_norm, self.k_cache, self.v_cache,
-                                                   get_forward_context(), self.num_heads, self.scale)
+        metadata = get_forward_context()
+        q = self.backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, self.k_cache, self.v_cache,
+                                          metadata.slot_mapping, self.num_heads)
+        out = self.backend.forward(q, self.k_cache, self.v_cache, metadata, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 
 
@@ -44,34 +44,14 @@ def bind_kv_cache(model: nn.Module, kv_cache: torch.Tensor, backend: AttentionBa
     if len(layers) != kv_cache.shape[1]:
         raise ValueError(f"KV cache has {kv_cache.shape[1]} layers, model has {len(layers)} attention layers")
     for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache, layer.backend = k_cache_view(kv_cache[0, i]), v_cache_view(kv_cache[1, i]), backend
+        layer.k_cache, layer.v_cache, layer.backend = kv_cache[0, i], v_cache_view(kv_cache[1, i]), backend
     return len(layers)
-
-
-def head_major_kv() -> bool:
-    """NANOINFER_HEAD_MAJOR_KV=1 (experimental, off until measured): K, and a V kept as K, head-major inside each
-    block (`head_major_view`)."""
-    return os.environ.get("NANOINFER_HEAD_MAJOR_KV") == "1"
-
-
-def k_cache_view(cache: torch.Tensor) -> torch.Tensor:
-    """A contiguous `[blocks, block_size, kv_heads, head_dim]` tensor as the engine keeps a K cache."""
-    return head_major_view(cache) if head_major_kv() else cache
 
 
 def v_cache_view(cache: torch.Tensor) -> torch.Tensor:
     """A contiguous `[blocks, block_size, kv_heads, head_dim]` tensor as the engine keeps a V cache:
-    an fp8 one dim-major inside each block (`dim_major_view`), any other as K."""
-    return dim_major_view(cache) if cache.dtype == torch.float8_e4m3fn else k_cache_view(cache)
-
-
-def head_major_view(cache: torch.Tensor) -> torch.Tensor:
-    """A contiguous `[blocks, block_size, kv_heads, head_dim]` cache's memory read as `[blocks, kv_heads,
-    block_size, head_dim]` and viewed back in the `[block, slot, kv_head, dim]` order: one head's 16 rows of a
-    block are adjacent (2 KB in fp8), where token-major they are 128-byte pieces 1 KB apart (Qwen3-0.6B, fp8):
-    the decode kernel's K loads become a few long runs instead of many short ones. Same bytes, same block ids."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    return cache.view(num_blocks, num_kv_heads, block_size, head_dim).permute(0, 2, 1, 3)
+    an fp8 one dim-major inside each block (`dim_major_view`), any other as it is."""
+    return dim_major_view(cache) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 def dim_major_view(cache: torch.Tensor) -> torch.Tensor:

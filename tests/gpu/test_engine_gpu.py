@@ -44,16 +44,6 @@ def test_fast_path_equals_reference_fp32(fp32_reference: list) -> None:
     assert_greedy_close(fp32_reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
 
 
-@pytest.mark.parametrize("setting", ["NANOINFER_FUSED_DECODE=1", "NANOINFER_BALANCED_SPLITS=8", "NANOINFER_HEAD_MAJOR_KV=1",
-                                     "NANOINFER_FUSED_DECODE=1,NANOINFER_BALANCED_SPLITS=8,NANOINFER_HEAD_MAJOR_KV=1"])
-def test_experimental_decode_settings_equal_reference_fp32(fp32_reference: list, monkeypatch, setting: str) -> None:
-    """The decode experiments (docs/gpu.md: rotate_and_cache fused into attention, balanced splits, head-major
-    K/V), in the engine with CUDA graphs: the reference path's greedy tokens, as without them."""
-    for name, value in (item.split("=") for item in setting.split(",")):
-        monkeypatch.setenv(name, value)
-    assert_greedy_close(fp32_reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
-
-
 def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
     """kv_cache_dtype="fp8": K/V rounded to float8_e4m3fn as they are stored. Two correct paths can
     round a K/V value to neighbouring fp8 values (its fp32 input differs in the last bits), a 6%
