@@ -26,11 +26,11 @@ if [ "$what" = kernels ]; then  # not part of "all": kernel micro-benchmarks (sk
   run 200 kernels_attention python3 bench/kernels.py --quick --json "$OUT/kernels_attention.json"
 fi
 if [ "$what" = mixes ]; then  # not part of "all": prefill tiles and fp8 / bf16 decode over the workload's own batches
-  run 300 kernels_prefill_mix python3 bench/kernels.py --prefill-mix --kv-cache-dtype fp8 --json "$OUT/prefill_mix.json"
+  run 200 kernels_prefill_mix python3 bench/kernels.py --prefill-mix --kv-cache-dtype fp8 --json "$OUT/prefill_mix.json"
   grep -A10 "prefill over" "$OUT/kernels_prefill_mix.log"
-  run 200 kernels_decode_mix_fp8 python3 bench/kernels.py --decode-mix --kv-cache-dtype fp8 --json "$OUT/decode_mix_fp8.json"
+  run 150 kernels_decode_mix_fp8 python3 bench/kernels.py --decode-mix --kv-cache-dtype fp8 --json "$OUT/decode_mix_fp8.json"
   grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_fp8.log" | cut -c1-220
-  run 200 kernels_decode_mix_bf16 python3 bench/kernels.py --decode-mix --json "$OUT/decode_mix_bf16.json"
+  run 150 kernels_decode_mix_bf16 python3 bench/kernels.py --decode-mix --json "$OUT/decode_mix_bf16.json"
   grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_bf16.log" | cut -c1-220
 fi
 if [ "$what" = all ] || [ "$what" = serving ]; then
