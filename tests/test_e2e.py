@@ -121,6 +121,29 @@ def test_prefix_cache_hits_keep_outputs(tiny_models, tiny_reference) -> None:
     assert outs[0].num_cached_tokens == 0  # the first prompt prefilled again (later ones share its prefix)
 
 
+def test_decode_steps_carry_the_longest_first_order(tiny_models, tiny_reference, monkeypatch) -> None:
+    """Every decode step's metadata orders its sequences longest context first (ties in batch order), the order
+    decode attention launches them in on a GPU; prefill and mixed steps carry none. Outputs are unchanged."""
+    from nanoinfer.attention.torch_backend import TorchAttentionBackend
+
+    steps = []
+    forward = TorchAttentionBackend.forward
+
+    def spy(self, query, k_cache, v_cache, metadata, scale):
+        order = None if metadata.seq_order is None else metadata.seq_order.tolist()
+        steps.append((metadata.is_decode_only, list(metadata.seq_lens_cpu), order))
+        return forward(self, query, k_cache, v_cache, metadata, scale)
+
+    monkeypatch.setattr(TorchAttentionBackend, "forward", spy)
+    llm = LLM(tiny_models["llama"], kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    assert _tokens(llm) == tiny_reference
+    decode = [(lens, order) for is_decode, lens, order in steps if is_decode]
+    assert decode and all(order is None for is_decode, _, order in steps if not is_decode)
+    for lens, order in decode:
+        assert order == sorted(range(len(lens)), key=lambda i: -lens[i])
+    assert any(len(set(lens)) > 1 for lens, _ in decode)  # the order was not the batch's own
+
+
 def test_chunked_prefill_keeps_outputs(tiny_models, tiny_reference) -> None:
     llm = LLM(tiny_models["llama"], max_num_batched_tokens=7, kv_cache_memory_bytes=SMALL_KV, block_size=4)
     assert _tokens(llm) == tiny_reference
