@@ -30,7 +30,11 @@ parts; with `balance_programs` every split is at least (the launch's total conte
 KV heads / balance_programs) tokens long, so when context lengths differ, long
 sequences get more splits than short ones and no program carries far more work than
 the rest (the launch's total is summed from `seq_lens` before the PDL wait, so it
-needs no host value and a CUDA graph replays it). Every launch parameter comes from host ints
+needs no host value and a CUDA graph replays it). With `seq_order` (the engine passes the
+batch sorted longest context first) the programs take (sequence, KV head) pairs in that
+order, all KV heads of a sequence side by side: the GPU starts programs in launch order,
+so the last wave holds the shortest contexts instead of a long one running alone
+(+8.6% on the reference workload). Every launch parameter comes from host ints
 (shapes and `max_query_len` / `max_seq_len`, through `attention_config.choose_config`), never
 from device tensors, so decode launches can be captured in a CUDA graph.
 """
