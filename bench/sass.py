@@ -105,7 +105,7 @@ def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: 
                      **config_overrides):
     """A Qwen3-0.6B-shaped paged_attention call on CPU tensors (16 query / 8 KV heads, head_dim 128, block 16):
     four sequences of 100 tokens, decoding one token each or prefilling 50, with the tiles `choose_config` gives
-    a batch of `batch` sequences."""
+    a batch of `batch` sequences, and for decode the engine's longest-first `seq_order`."""
     num_seqs, seq_len, q_len = 4, 100, 50 if prefill else 1
     kv = torch.zeros(2, 64, 16, 8, 128, dtype=cache_dtype)
     k_cache, v_cache = kv[0], kv[1] if token_major_v else v_cache_view(kv[1])
@@ -116,8 +116,9 @@ def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: 
     config = choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=q_len,
                            num_seqs=batch, max_seq_len=1000, num_sms=132, cache_dtype=cache_dtype)
     config = dataclasses.replace(config, **config_overrides)
+    seq_order = None if prefill else torch.arange(num_seqs, dtype=torch.int32)
     return lambda: pa.paged_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 0.1,
-                                      max_query_len=q_len, config=config)
+                                      max_query_len=q_len, config=config, seq_order=seq_order)
 
 
 def attention_report(cache_dtype: torch.dtype, *, prefill: bool = False, token_major_v: bool = False,
