@@ -72,11 +72,11 @@ def decode_bytes(pool: Pool, lens: list[int]) -> int:
 
 
 def decode_calls(pool: Pool, lens: list[int], config: PagedAttentionConfig, in_order: bool = False,
-                 seed: int | None = None, longest_first: bool = False):
+                 seed: int | None = None, longest_first: bool = True):
     """Closures over disjoint block tables (one row per context length), enough of them to exceed L2 several
     times. Blocks are placed at random (a used cache) or, `in_order`, consecutively (a fresh cache's free queue);
     the same `seed` gives the same blocks and queries, so configs can be compared output for output.
-    `longest_first`: the launch takes the sequences longest first (`seq_order`)."""
+    `longest_first`: the launch takes the sequences longest first (`seq_order`), as the engine launches decode."""
     if seed is not None:
         torch.manual_seed(seed)
     batch, width = len(lens), triton.cdiv(max(lens), BLOCK_SIZE)
@@ -285,7 +285,8 @@ def workload_contexts(step: int, max_num_seqs: int = 256) -> list[int]:
 def sweep_decode_mix(pool: Pool, max_model_len: int = 2048) -> list[dict]:
     """Decode attention over the reference workload's own context mixes (unequal lengths: the longest is 1.2-1.8x
     the mean), with the launch the engine's CUDA graph captures (max_model_len) against split counts with
-    per-sequence equal splits (balance 0) or balanced splits (`balance_programs` per SM x SMs)."""
+    per-sequence equal splits (balance 0) or balanced splits (`balance_programs` per SM x SMs), each launched in
+    batch order and longest first ("lpt", as the engine launches decode)."""
     rows = []
     for step in (50, 200, 400, 600, 800, 900):
         lens = workload_contexts(step)
