@@ -206,7 +206,8 @@ class ModelRunner:
         logits_indices = query_start_loc[1:][sample_rows] - 1
 
         pending_rows = np.array(pending, dtype=np.int64).reshape(-1, 2)
-        decode_only = int(query_start_loc[-1]) == len(states)
+        max_query_len = int(counts.max())
+        decode_only = max_query_len == 1
         seq_order = np.argsort(-seq_lens, kind="stable").astype(np.int32) if decode_only else np.zeros(0, np.int32)
         (slot_mapping_gpu, query_start_loc_gpu, seq_lens_gpu, block_tables_gpu, input_ids_gpu, positions_gpu,
          logits_indices_gpu, pending_gpu, seq_order_gpu) = to_device_many(
@@ -217,7 +218,7 @@ class ModelRunner:
             query_start_loc=query_start_loc_gpu,
             seq_lens=seq_lens_gpu,
             block_tables=block_tables_gpu,
-            max_query_len=int(counts.max()),
+            max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
