@@ -32,13 +32,14 @@ BLOCK_SIZE = 16
 REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, extra_rows=0, seed=0):
+def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, extra_rows=0, seed=0,
+               block_size=BLOCK_SIZE):
     """Random query and paged cache (built on DEVICE, so the GPU tests reuse it at
     batch 256). Every cache slot outside a sequence's context (spare blocks, the
     tail of a last block, block-table padding) holds NaN, so any read the kernel
     should have masked poisons the output."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    blocks_per_seq = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1  # block 0: table padding
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
@@ -47,11 +48,11 @@ def make_batch(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, *, ex
         block_tables[i, :nb] = perm[used : used + nb]
         used += nb
         pos = torch.arange(seq_len)
-        slots.append(block_tables[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+        slots.append(block_tables[i, pos // block_size].long() * block_size + pos % block_size)
     slots = torch.cat(slots).to(DEVICE)
-    cache = torch.full((2, num_blocks * BLOCK_SIZE, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    cache = torch.full((2, num_blocks * block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     cache[:, slots] = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
-    cache = cache.view(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    cache = cache.view(2, num_blocks, block_size, num_kv_heads, head_dim)
     num_tokens = sum(q_lens)
     query = torch.randn(num_tokens + extra_rows, num_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
     starts = [0]
@@ -157,9 +158,9 @@ def fp8_cache(k_cache, v_cache, metadata, *, dim_major_v: bool):
     and, since such a V is read in whole blocks, finite in the unwritten tail of each sequence's last
     block (300.0 here, what an earlier owner of the block might have left: weighting it would show);
     spare blocks and table padding stay NaN. Returns K, V and V token-major (the same values)."""
-    v_cache = v_cache.clone()
+    v_cache, block_size = v_cache.clone(), v_cache.shape[1]
     for i, seq_len in enumerate(metadata.seq_lens_cpu):
-        v_cache[int(metadata.block_tables[i, (seq_len - 1) // BLOCK_SIZE]), (seq_len - 1) % BLOCK_SIZE + 1:] = 300.0
+        v_cache[int(metadata.block_tables[i, (seq_len - 1) // block_size]), (seq_len - 1) % block_size + 1:] = 300.0
     k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)  # NaN stays NaN
     if not dim_major_v:
         return k8, v8, v8
@@ -182,6 +183,20 @@ def test_fp8_cache_matches_reference_on_the_stored_values(dtype, num_splits, dim
     overrides = {} if num_splits is None else dict(block_n=16, num_splits=num_splits, max_registers=128)
     out = run_kernel(query, k8, v8, md, 0.125, **overrides)
     assert rel_err(out, reference(query, k8, v8_token_major, md, 0.125), sum(q_lens)) < REL_TOL[dtype]
+
+
+@kernel_test
+@pytest.mark.parametrize("block_n", [16, 64])  # a step inside one 32-token block, or two whole blocks
+@pytest.mark.parametrize("decode", [False, True])
+def test_fp8_cache_with_32_token_blocks(block_n, decode):
+    """A dim-major fp8 V is read in whole (block, KV head) runs when a step covers whole blocks, and per
+    dim in pieces of the step's tokens when a step is shorter than a block: both give the reference."""
+    q_lens, seq_lens = ([1] * 4, [1, 31, 33, 70]) if decode else MIXED
+    query, k_cache, v_cache, md = make_batch(q_lens, seq_lens, 4, 2, 64, torch.bfloat16, block_size=32)
+    k8, v8, v8_token_major = fp8_cache(k_cache, v_cache, md, dim_major_v=True)
+    overrides = dict(block_n=block_n) | (dict(num_splits=2, max_registers=128) if decode else {})
+    out = run_kernel(query, k8, v8, md, 0.125, **overrides)
+    assert rel_err(out, reference(query, k8, v8_token_major, md, 0.125), sum(q_lens)) < REL_TOL[torch.bfloat16]
 
 
 def test_dim_major_view_keeps_block_ids_and_puts_tokens_of_a_dim_together():

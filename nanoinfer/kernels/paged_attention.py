@@ -14,9 +14,15 @@ dim-major inside each block (`v_cache.stride(1) == 1`, `dim_major_view` in
 layers/attention.py): the P x V dot's k axis is the token axis, and with tokens
 adjacent four of them are one 32-bit shared-memory load, where a token-major fp8
 V took a byte load each (no transposing ldmatrix exists for 8-bit types); 13-18%
-faster decode. Such a V is read in whole blocks, so the slots past the context
-in a sequence's last block are multiplied by probability 0 and must hold finite
-values, which an fp8 cache guarantees (its writes saturate and store NaN as 0).
+faster decode. Each (block, KV head) of such a V is one run of head_dim x
+block_size contiguous bytes; a step that covers whole blocks loads its runs as
+they are (a warp instruction reads 512 contiguous bytes) and views them as
+[tokens, dims]. Loaded per position instead, a warp's 16-byte pieces touched
+twice the L2 sectors they needed (ncu: 33% excess, the kernel L2-bound at 3.0
+TB/s); whole runs made fp8 decode 19-24% faster (3.9 TB/s, H200). Such a V is
+read in whole blocks, so the slots past the context in a sequence's last block
+are multiplied by probability 0 and must hold finite values, which an fp8 cache
+guarantees (its writes saturate and store NaN as 0).
 
 Decode-only batches launch one program per (sequence, KV head, split). With
 few sequences the context is cut into `num_splits` ranges, so one long
@@ -96,6 +102,7 @@ def _attend(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     V_DIM_MAJOR: tl.constexpr,
+    V_RUNS: tl.constexpr,
 ):
     """Online-softmax update over context positions [start, stop), BLOCK_N at a
     time, K/V gathered through the block table. MASKED applies the causal mask
@@ -127,7 +134,19 @@ def _attend(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
+        if V_RUNS:
+            # Each (block, KV head) of a dim-major V is one run of HEAD_DIM * BLOCK_SIZE contiguous bytes: load
+            # the step's runs whole ([blocks, run]), then view them as [tokens, dims].
+            NUM_RUNS: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            first = tl.multiple_of(n0, BLOCK_N) + tl.arange(0, NUM_RUNS) * BLOCK_SIZE
+            run_ok = first < stop
+            run_block = tl.load(block_table_row + first // BLOCK_SIZE, mask=run_ok, other=0).to(tl.int64)
+            run_start = tl.multiple_of(run_block * stride_vb + v_head_offset, HEAD_DIM * BLOCK_SIZE)
+            runs = tl.load(v_cache_ptr + run_start[:, None] + tl.arange(0, HEAD_DIM * BLOCK_SIZE)[None, :],
+                           mask=run_ok[:, None], other=0.0)
+            v = tl.reshape(tl.permute(tl.reshape(runs, (NUM_RUNS, HEAD_DIM, BLOCK_SIZE)), (0, 2, 1)),
+                           (BLOCK_N, HEAD_DIM))
+        elif MASKED:
             v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd, mask=in_block[:, None],
                         other=0.0)
         else:
@@ -186,6 +205,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
+    V_RUNS: tl.constexpr,  # V_DIM_MAJOR and BLOCK_N >= BLOCK_SIZE: V read in whole (block, KV head) runs
     BALANCED: tl.constexpr,  # split lengths from the launch's total context (balance_programs)
     ORDERED: tl.constexpr,  # decode only: programs take (sequence, KV head) pairs in seq_order's order
     NUM_KV_HEADS: tl.constexpr,
@@ -267,12 +287,12 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, stride_cb, stride_cs,
             kv_head * stride_vh, stride_vb, stride_vs, stride_vd, scale_log2, kv_start, masked_start, HEAD_DIM,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_DIM_MAJOR,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_DIM_MAJOR, V_RUNS,
         )
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, stride_cb, stride_cs,
         kv_head * stride_vh, stride_vb, stride_vs, stride_vd, scale_log2, masked_start, kv_stop, HEAD_DIM,
-        BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_DIM_MAJOR,
+        BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_DIM_MAJOR, V_RUNS,
     )
 
     if USE_PDL:
@@ -442,6 +462,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         V_DIM_MAJOR=v_cache.stride(1) == 1,
+        V_RUNS=v_cache.stride(1) == 1 and config.block_n >= k_cache.shape[1],
         BALANCED=split and config.balance_programs > 0,
         ORDERED=seq_order is not None,
         NUM_KV_HEADS=num_kv_heads,
