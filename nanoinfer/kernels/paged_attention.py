@@ -119,10 +119,6 @@ def _attend(
         else:
             block = tl.load(block_table_row + pos // BLOCK_SIZE).to(tl.int64)
         kv_offset = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
-        v_offset = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + v_head_offset
-        if V_DIM_MAJOR:  # runs of contiguous tokens per dim, each starting aligned
-            run: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
-            v_offset = tl.max_contiguous(tl.multiple_of(v_offset, run), run)
         if MASKED:
             k = tl.load(k_cache_ptr + kv_offset[None, :] + dims[:, None], mask=in_range[None, :], other=0.0)
         else:
@@ -146,11 +142,16 @@ def _attend(
                            mask=run_ok[:, None], other=0.0)
             v = tl.reshape(tl.permute(tl.reshape(runs, (NUM_RUNS, HEAD_DIM, BLOCK_SIZE)), (0, 2, 1)),
                            (BLOCK_N, HEAD_DIM))
-        elif MASKED:
-            v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd, mask=in_block[:, None],
-                        other=0.0)
         else:
-            v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd)
+            v_offset = block * stride_vb + (pos % BLOCK_SIZE) * stride_vs + v_head_offset
+            if V_DIM_MAJOR:  # runs of contiguous tokens per dim (the step's part of one block), each aligned
+                run: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N
+                v_offset = tl.max_contiguous(tl.multiple_of(v_offset, run), run)
+            if MASKED:
+                v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd, mask=in_block[:, None],
+                            other=0.0)
+            else:
+                v = tl.load(v_cache_ptr + v_offset[:, None] + dims[None, :] * stride_vd)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
