@@ -15,7 +15,7 @@ import torch
 from nanoinfer.attention.backend import get_attention_backend
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
-from nanoinfer.distributed.parallel_state import enable_symmetric_all_reduce, tp_broadcast_from_rank0, tp_rank
+from nanoinfer.distributed.parallel_state import enable_symmetric_all_reduce, tp_broadcast_from_rank0, tp_rank, tp_world_size
 from nanoinfer.host_copy import to_device_many
 from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
@@ -123,11 +123,13 @@ class ModelRunner:
         bind_kv_cache(self.model, self.kv_cache, self.attn_backend)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Decode steps replay graphs on CUDA with the Triton backend, unless enforce_eager."""
+        """Decode steps and short one-sequence prefills replay graphs on CUDA with the Triton backend, unless
+        enforce_eager."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.attn_backend.name != "triton":
             return
         self.cuda_graphs = CUDAGraphRunner(self.model, self.hf_config.hidden_size, self.dtype, self.device,
-                                           self.config.max_num_seqs, max_model_len, self.block_size)
+                                           self.config.max_num_seqs, max_model_len, self.block_size,
+                                           self.config.max_num_batched_tokens, prefill=tp_world_size() == 1)
         self.cuda_graphs.capture()
         self._compile_eager_variants()
 
