@@ -11,8 +11,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -25,19 +23,18 @@ def prompts(n: int = 32) -> list[list[int]]:
     return [[rng.randint(0, 10000) for _ in range(rng.randint(5, 300))] for _ in range(n)]
 
 
-@contextmanager
-def engine(model: str, **engine_args) -> Iterator:
-    """An LLM (max_model_len 2048, 40% of the GPU unless given) whose memory is freed on exit."""
+def greedy(model: str, **engine_args) -> list:
+    """The CompletionOutputs of 64 greedy tokens for each of 32 prompts, with top-5 logprobs."""
     from nanoinfer import LLM
 
-    llm = LLM(model, **{"max_model_len": 2048, "gpu_memory_utilization": 0.4, **engine_args})
+    engine_args = {"max_model_len": 2048, "gpu_memory_utilization": 0.4, **engine_args}
+    llm = LLM(model, **engine_args)
     try:
-        yield llm
+        return [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False)]
     finally:
         llm.close()
         del llm
-        gc.collect()  # engines hold reference cycles; free this one's memory before the next sizes itself
-        torch.cuda.empty_cache()
+        free_gpu_memory()
 
 
 def greedy_params():
@@ -46,10 +43,11 @@ def greedy_params():
     return SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=TOP_LOGPROBS)
 
 
-def greedy(model: str, **engine_args) -> list:
-    """The CompletionOutputs of 64 greedy tokens for each of 32 prompts, with top-5 logprobs."""
-    with engine(model, **engine_args) as llm:
-        return [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False)]
+def free_gpu_memory() -> None:
+    """After the caller dropped its last reference to an engine: engines hold reference cycles, so collect
+    them and give their memory back, before the next engine sizes its KV cache from what is free."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from greedy_compare import assert_greedy_close, common_prefix, engine, greedy, greedy_params, prompts
+from greedy_compare import assert_greedy_close, common_prefix, free_gpu_memory, greedy, greedy_params, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -44,14 +44,19 @@ def test_fast_path_equals_reference_fp32(fp32_reference: list) -> None:
     assert_greedy_close(fp32_reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
 
 
-def test_one_sequence_prefills_replay_graphs_and_equal_reference_fp32(fp32_reference: list) -> None:
+def test_one_sequence_prefills_replay_graphs_and_equal_reference_fp32(fp32_reference: list, monkeypatch) -> None:
     """Each prompt (5-300 tokens) alone, so every prefill is one sequence's and replays a prefill graph (padded
     to its token bucket); then each again, its prefix now cached, so only the tail is prefilled over the
     cached context. Both give the reference path's greedy tokens (which it made for the prompts batched)."""
-    with engine(CONFIG, load_format="dummy", dtype="float32") as llm:
-        graphs, replays = llm.engine.core.runner.cuda_graphs, []
-        run_prefill = graphs._run_prefill
-        graphs._run_prefill = lambda ids, *args: replays.append(ids.shape[0]) or run_prefill(ids, *args)
+    from nanoinfer import LLM
+    from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
+
+    replays: list[int] = []
+    run_prefill = CUDAGraphRunner._run_prefill
+    monkeypatch.setattr(CUDAGraphRunner, "_run_prefill",
+                        lambda self, ids, *rest: replays.append(ids.shape[0]) or run_prefill(self, ids, *rest))
+    llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4)
+    try:
         for round_ in ("fresh", "prefix cached"):
             replays.clear()
             outs = [llm.generate([p], greedy_params(), use_tqdm=False)[0].outputs[0] for p in prompts()]
@@ -61,6 +66,10 @@ def test_one_sequence_prefills_replay_graphs_and_equal_reference_fp32(fp32_refer
                 assert sorted(replays) == sorted(len(p) for p in prompts())
             else:  # the prefix cache leaves each prompt's tail (a few tokens: a prefill, or a decode-graph step)
                 assert replays and max(replays) <= 16
+    finally:
+        llm.close()
+        del llm
+        free_gpu_memory()
 
 
 def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
