@@ -102,7 +102,6 @@ def _attend(
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     V_DIM_MAJOR: tl.constexpr,
-    V_RUNS: tl.constexpr,
 ):
     """Online-softmax update over context positions [start, stop), BLOCK_N at a
     time, K/V gathered through the block table. MASKED applies the causal mask
@@ -130,7 +129,7 @@ def _attend(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_RUNS:
+        if V_DIM_MAJOR and BLOCK_N >= BLOCK_SIZE:
             # Each (block, KV head) of a dim-major V is one run of HEAD_DIM * BLOCK_SIZE contiguous bytes: load
             # the step's runs whole ([blocks, run]), then view them as [tokens, dims].
             NUM_RUNS: tl.constexpr = BLOCK_N // BLOCK_SIZE
@@ -205,8 +204,7 @@ def _paged_attention_kernel(
     MAX_SPLITS: tl.constexpr,  # the merge's split axis (>= num_splits, a power of two)
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
-    V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in runs of BLOCK_SIZE tokens
-    V_RUNS: tl.constexpr,  # V_DIM_MAJOR and BLOCK_N >= BLOCK_SIZE: V read in whole (block, KV head) runs
+    V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in whole (block, KV head) runs, or runs of BLOCK_N tokens
     BALANCED: tl.constexpr,  # split lengths from the launch's total context (balance_programs)
     ORDERED: tl.constexpr,  # decode only: programs take (sequence, KV head) pairs in seq_order's order
     NUM_KV_HEADS: tl.constexpr,
@@ -288,12 +286,12 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend(
             acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, stride_cb, stride_cs,
             kv_head * stride_vh, stride_vb, stride_vs, stride_vd, scale_log2, kv_start, masked_start, HEAD_DIM,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_DIM_MAJOR, V_RUNS,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, V_DIM_MAJOR,
         )
     acc, m_i, l_i = _attend(
         acc, m_i, l_i, q, q_pos, k_cache_ptr, v_cache_ptr, block_table_row, head_offset, stride_cb, stride_cs,
         kv_head * stride_vh, stride_vb, stride_vs, stride_vd, scale_log2, masked_start, kv_stop, HEAD_DIM,
-        BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_DIM_MAJOR, V_RUNS,
+        BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, V_DIM_MAJOR,
     )
 
     if USE_PDL:
@@ -463,7 +461,6 @@ def paged_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         V_DIM_MAJOR=v_cache.stride(1) == 1,
-        V_RUNS=v_cache.stride(1) == 1 and config.block_n >= k_cache.shape[1],
         BALANCED=split and config.balance_programs > 0,
         ORDERED=seq_order is not None,
         NUM_KV_HEADS=num_kv_heads,
