@@ -55,7 +55,8 @@ def test_one_sequence_prefills_replay_graphs_and_equal_reference_fp32(fp32_refer
     run_prefill = CUDAGraphRunner._run_prefill
     monkeypatch.setattr(CUDAGraphRunner, "_run_prefill",
                         lambda self, ids, *rest: replays.append(ids.shape[0]) or run_prefill(self, ids, *rest))
-    llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4)
+    llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4,
+              max_num_batched_tokens=4096)
     try:
         for round_ in ("fresh", "prefix cached"):
             replays.clear()
