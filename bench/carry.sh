@@ -13,7 +13,7 @@ PY=${PYTHON:-.venv/bin/python}
 rm -rf .whl .tok .smolA .smolB
 pins=()
 for pkg in gguf fastapi starlette uvicorn pyzmq pydantic pydantic_core annotated-types annotated-doc typing-inspection \
-    h11 anyio sniffio click msgpack prometheus_client httpx httpcore; do
+    opentelemetry-api h11 anyio sniffio click msgpack prometheus_client httpx httpcore; do
   pin=$(grep -i -E "^${pkg//[-_]/[-_]}==" constraints.txt || true)
   pins+=("${pin:-$pkg}")
 done

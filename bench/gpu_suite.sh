@@ -35,17 +35,7 @@ if [ "$what" = mixes ]; then  # not part of "all": prefill tiles and fp8 / bf16 
   grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_bf16.log" | cut -c1-220
 fi
 if [ "$what" = all ] || [ "$what" = serving ]; then
-  port=8765
-  python3 -m nanoinfer.cli serve nanoinfer/configs/qwen3-0.6b.json --load-format dummy \
-    --tokenizer "${TOKENIZER:-.tok}" --max-model-len 2048 --port $port --no-access-log > "$OUT/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
-  for rate in 16 inf; do
-    run 150 "serving_rate_$rate" python3 bench/serving.py --base-url http://127.0.0.1:$port --num-prompts 500 \
-      --input-len 512 --output-len 128 --request-rate $rate --json-out "$OUT/serving_$rate.json"
-    grep -E "throughput|Median|P99|Mean TTFT|Mean TPOT" "$OUT/serving_rate_$rate.log"
-  done
-  kill -TERM $server; wait $server; echo "server exit $?"; tail -n 3 "$OUT/server.log"
+  serve_and_load serving "$PWD" 16 inf
 fi
 if [ "$what" = profile ]; then  # not part of "all": where a step's time goes, with Chrome traces in $OUT
   run 150 profile_decode_b1 python3 bench/profile_step.py --max-model-len 2048 --batch 1 --context 128 --steps 50 \

@@ -40,3 +40,18 @@ if [ -f .smolB/part ]; then
     echo "no /tmp/smol/a: carry .smolA in a call on this machine first (bench/carry.sh)"
   fi
 fi
+
+serve_and_load() {  # serve_and_load NAME TREE RATE...: the dummy Qwen3-0.6B served by TREE's engine, then
+  # bench/serving.py's 500 requests of 512 in / 128 out at each RATE (req/s, or inf); logs $OUT/NAME_*.log
+  local name=$1 tree=$2 port=8765; shift 2
+  PYTHONPATH="$tree:$PYTHONPATH" python3 -m nanoinfer.cli serve nanoinfer/configs/qwen3-0.6b.json --load-format dummy \
+    --tokenizer "${TOKENIZER:-.tok}" --max-model-len 2048 --port $port --no-access-log > "$OUT/${name}_server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
+  for rate in "$@"; do
+    run 150 "${name}_rate_$rate" python3 bench/serving.py --base-url http://127.0.0.1:$port --num-prompts 500 \
+      --input-len 512 --output-len 128 --request-rate "$rate" --json-out "$OUT/${name}_$rate.json"
+    grep -E "throughput|Median|P99|Mean TTFT|Mean TPOT" "$OUT/${name}_rate_$rate.log"
+  done
+  kill -TERM $server; wait $server; echo "server exit $?"; tail -n 3 "$OUT/${name}_server.log"
+}

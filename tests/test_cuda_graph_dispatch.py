@@ -1,5 +1,5 @@
-"""Which steps the CUDA-graph runner replays (decode batches up to max_num_seqs, one sequence's prefill up to
-the largest token bucket) and which run eagerly. The rules are host logic, checked here on CPU tensors; the
+"""Which steps the CUDA-graph runner replays (decode batches up to max_num_seqs, mixed steps up to the largest
+token and sequence buckets) and which run eagerly. The rules are host logic, checked here on CPU tensors; the
 captured graphs themselves are checked on the GPU (tests/gpu/test_engine_gpu.py)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner, batch_size_buckets, prefill_buckets
+from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner, batch_size_buckets, mixed_buckets
 
 
-def runner(prefill: bool = True, max_num_batched_tokens: int = 8192) -> CUDAGraphRunner:
+def runner(mixed: bool = True, max_num_batched_tokens: int = 8192, max_num_seqs: int = 4) -> CUDAGraphRunner:
     return CUDAGraphRunner(torch.nn.Identity(), hidden_size=8, dtype=torch.float32, device=torch.device("cpu"),
-                           max_num_seqs=4, max_model_len=2048, block_size=16,
-                           max_num_batched_tokens=max_num_batched_tokens, prefill=prefill)
+                           max_num_seqs=max_num_seqs, max_model_len=2048, block_size=16,
+                           max_num_batched_tokens=max_num_batched_tokens, mixed=mixed)
 
 
 def step(q_lens: list[int], context: int = 600) -> AttentionMetadata:
@@ -28,23 +28,37 @@ def step(q_lens: list[int], context: int = 600) -> AttentionMetadata:
 
 def test_buckets():
     assert batch_size_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_size_buckets(256)[-1] == 256
-    assert prefill_buckets(16384, 2048) == [16, 32, 64, 128, 256, 512]
-    assert prefill_buckets(8192, 100) == [16, 32, 64]  # no bucket a step could not fill
-    assert prefill_buckets(24, 2048) == [16]
+    full = mixed_buckets(16384, 256)
+    assert sorted({t for t, _ in full}) == [16, 32, 64, 128, 256, 512, 1024] and len(full) == 3 + 3 + 5 * 4
+    assert full[:4] == [(16, 1), (16, 4), (16, 16), (32, 1)]
+    assert full[-4:] == [(1024, 1), (1024, 4), (1024, 16), (1024, 64)]
+    assert all(m <= t for t, m in full)  # a sequence has at least one token
+    assert mixed_buckets(100, 8) == [(16, 1), (16, 4), (16, 8), (32, 1), (32, 4), (32, 8), (64, 1), (64, 4), (64, 8)]
+    assert mixed_buckets(8, 256) == []  # no token bucket a step could fill
 
 
-def test_decode_batches_and_one_sequence_prefills_replay_graphs():
+def test_decode_batches_and_small_mixed_steps_replay_graphs():
     graphs = runner()
     assert graphs.can_run(step([1, 1, 1, 1]))
     assert not graphs.can_run(step([1] * 5))  # more sequences than the largest decode bucket
-    assert graphs.can_run(step([5])) and graphs.can_run(step([512]))  # a prompt, or a chunk over a cached prefix
-    assert not graphs.can_run(step([513]))
-    assert not graphs.can_run(step([5, 1]))  # a prefill beside a decode: eager
+    assert graphs.can_run(step([5])) and graphs.can_run(step([1024]))  # a prompt, or a chunk over a cached prefix
+    assert not graphs.can_run(step([1025]))
+    assert graphs.can_run(step([5, 1])) and graphs.can_run(step([1000, 1, 1, 1]))  # prefills beside decodes
+    assert not graphs.can_run(step([1000, 30]))  # more tokens than the largest bucket
+    assert graphs._mixed_bucket(5, 1) == (16, 1) and graphs._mixed_bucket(17, 2) == (32, 4)
+    assert graphs._mixed_bucket(600, 4) == (1024, 4)
     # Static buffers hold the largest bucket of either kind.
-    assert graphs.input_ids.shape[0] == graphs.slot_mapping.shape[0] == graphs.hidden.shape[0] == 512
+    assert graphs.input_ids.shape[0] == graphs.slot_mapping.shape[0] == graphs.hidden.shape[0] == 1024
+    assert graphs.mixed_query_start_loc.shape[0] == 5
 
 
-def test_no_prefill_graphs_when_turned_off_or_no_bucket_fits():
-    for graphs in (runner(prefill=False), runner(max_num_batched_tokens=8)):
-        assert graphs.prefill_buckets == [] and not graphs.can_run(step([5]))
+def test_mixed_steps_beyond_the_sequence_buckets_run_eagerly():
+    graphs = runner(max_num_seqs=128)
+    assert graphs.can_run(step([100] + [1] * 63)) and not graphs.can_run(step([100] + [1] * 64))
+    assert graphs.can_run(step([1] * 128))  # decode-only: the decode buckets
+
+
+def test_no_mixed_graphs_when_turned_off_or_no_bucket_fits():
+    for graphs in (runner(mixed=False), runner(max_num_batched_tokens=8)):
+        assert graphs.mixed_buckets == [] and not graphs.can_run(step([5]))
         assert graphs.can_run(step([1, 1])) and graphs.input_ids.shape[0] == 4

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps and for one sequence's short prefill.
+"""CUDA graphs for decode-only steps and for small mixed steps.
 
 A decode step of a small model is mostly kernel-launch overhead: ~15 kernels
 per layer, each a few microseconds of CPU. We capture the model's forward once
@@ -8,13 +8,17 @@ possible context (max_model_len), so one capture serves every sequence length;
 the kernels stop at each sequence's real length. Block tables are sized for
 max_model_len plus one block, so no bucket ever overflows its buffer.
 
-A step that prefills (or continues) one sequence with up to `PREFILL_BUCKETS[-1]`
-tokens, the single-stream time to first token, is launch-bound the same way
-(a 128-token prefill: ~12 ms of host work for ~1.2 ms of GPU work on an H200),
-so it replays a graph captured per token-count bucket: the padding tokens belong
-to no sequence (the attention tiles past the prompt leave at once) and write no
-KV (slot -1). Larger or multi-sequence steps run eagerly, and so do all prefills
-under tensor parallelism (their all-reduces in a graph are untested on GPUs)."""
+A step that prefills, with up to `MIXED_TOKEN_BUCKETS[-1]` tokens from up to
+`MIXED_SEQ_BUCKETS[-1]` sequences (one prompt alone, the single-stream time to
+first token, or a prompt or chunk beside a few decodes, as a server at low load
+runs them), is launch-bound the same way (a 128-token prefill: ~12 ms of host
+work for ~1.2 ms of GPU work on an H200), so it replays a graph captured per
+(token bucket, sequence bucket). The attention kernel maps its programs to
+sequences from `query_start_loc` on the GPU, so one graph serves every split of
+its tokens into sequences: padding tokens belong to no sequence (their tiles
+leave at once) and write no KV (slot -1), and padding sequences are empty.
+Larger steps run eagerly, and so do all non-decode steps under tensor
+parallelism (their all-reduces in a graph are untested on GPUs)."""
 
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 logger = logging.getLogger("nanoinfer")
 
 
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+MIXED_SEQ_BUCKETS = (1, 4, 16, 64)
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:
@@ -37,35 +42,38 @@ def batch_size_buckets(max_num_seqs: int) -> list[int]:
     return buckets + [max_num_seqs]
 
 
-def prefill_buckets(max_num_batched_tokens: int, max_model_len: int) -> list[int]:
-    """Token counts of the one-sequence prefill graphs: those a step can schedule."""
-    return [b for b in PREFILL_BUCKETS if b <= min(max_num_batched_tokens, max_model_len)]
+def mixed_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """(tokens, sequences) of the mixed-step graphs: every token bucket a step can fill, with every
+    sequence bucket up to max_num_seqs that its tokens can hold (a sequence has at least one token)."""
+    seqs = sorted({min(b, max_num_seqs) for b in MIXED_SEQ_BUCKETS})
+    return [(t, n) for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens for n in seqs if n <= t]
 
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int,
-                 prefill: bool = True) -> None:
-        """prefill=False: decode graphs only (tensor-parallel ranks, whose prefill graphs are not tested)."""
+                 mixed: bool = True) -> None:
+        """mixed=False: decode graphs only (tensor-parallel ranks, whose mixed-step graphs are not tested)."""
         self.model = model
         self.buckets = batch_size_buckets(max_num_seqs)
-        self.prefill_buckets = prefill_buckets(max_num_batched_tokens, max_model_len) if prefill else []
+        self.mixed_buckets = mixed_buckets(max_num_batched_tokens, max_num_seqs) if mixed else []
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         max_blocks = -(-max_model_len // block_size) + 1
         n = max_num_seqs
-        tokens = max([n, *self.prefill_buckets])  # a decode row per sequence, or one sequence's prefill
+        tokens = max([n, *(t for t, _ in self.mixed_buckets)])  # a decode row per sequence, or a mixed step's
         self.input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.prefill_query_start_loc = torch.zeros(2, dtype=torch.int32, device=device)
+        self.mixed_query_start_loc = torch.zeros(max([0, *(m for _, m in self.mixed_buckets)]) + 1, dtype=torch.int32,
+                                                 device=device)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.identity_order = torch.arange(n, dtype=torch.int32, device=device)
         self.seq_order = self.identity_order.clone()
         self.hidden = torch.zeros(tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
@@ -76,14 +84,14 @@ class CUDAGraphRunner:
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[self.max_model_len] * bs,
             seq_order=self.seq_order[:bs])
 
-    def _prefill_metadata(self, num_tokens: int) -> AttentionMetadata:
-        """One sequence's `num_tokens` new tokens (the query tiles launched for all of them) over a context of
-        up to max_model_len."""
+    def _mixed_metadata(self, num_tokens: int, num_seqs: int) -> AttentionMetadata:
+        """`num_tokens` new tokens of up to `num_seqs` sequences (query tiles launched for every split of the
+        tokens into sequences) over contexts of up to max_model_len."""
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.prefill_query_start_loc,
-            seq_lens=self.seq_lens[:1], block_tables=self.block_tables[:1],
+            slot_mapping=self.slot_mapping[:num_tokens], query_start_loc=self.mixed_query_start_loc[: num_seqs + 1],
+            seq_lens=self.seq_lens[:num_seqs], block_tables=self.block_tables[:num_seqs],
             max_query_len=num_tokens, max_seq_len=self.max_model_len,
-            query_start_loc_cpu=[0, num_tokens], seq_lens_cpu=[self.max_model_len])
+            query_start_loc_cpu=[0] + [num_tokens] * num_seqs, seq_lens_cpu=[self.max_model_len] * num_seqs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -91,12 +99,13 @@ class CUDAGraphRunner:
         from nanoinfer.kernels.skinny_gemm import tune_skinny_gemm  # CUDA only: triton
 
         tune_skinny_gemm(self.model, self.buckets)  # cuBLAS or our skinny GEMM per (M <= 16, N, K), before capture
-        self.prefill_query_start_loc.copy_(torch.tensor([0, 1]))  # the warm-up prefills: one real token each
+        self.mixed_query_start_loc.fill_(1)  # the warm-up mixed steps: one real token, of the first sequence
+        self.mixed_query_start_loc[0] = 0
         # Largest first, so smaller graphs reuse its memory pool.
-        for graphs, size, metadata in sorted(
-                [(self.graphs, bs, self._metadata(bs)) for bs in self.buckets]
-                + [(self.prefill_graphs, t, self._prefill_metadata(t)) for t in self.prefill_buckets],
-                key=lambda g: -g[1]):
+        for graphs, key, size, metadata in sorted(
+                [(self.graphs, bs, bs, self._metadata(bs)) for bs in self.buckets]
+                + [(self.mixed_graphs, (t, m), t, self._mixed_metadata(t, m)) for t, m in self.mixed_buckets],
+                key=lambda g: -g[2]):
             with set_forward_context(metadata):
                 self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size])  # warm-up / autotune
                 torch.cuda.synchronize()
@@ -105,21 +114,25 @@ class CUDAGraphRunner:
                     self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size])
             if self.pool is None:
                 self.pool = graph.pool()
-            graphs[size] = graph
+            graphs[key] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (decode batch sizes %s..%s, one-sequence prefills of up to %s tokens) "
-                    "in %.1f s", len(self.graphs) + len(self.prefill_graphs), self.buckets[0], self.buckets[-1],
-                    self.prefill_buckets[-1] if self.prefill_buckets else 0, time.perf_counter() - start)
+        largest = self.mixed_buckets[-1] if self.mixed_buckets else (0, 0)
+        logger.info("captured %d CUDA graphs (decode batch sizes %s..%s; mixed steps of up to %s tokens from up to "
+                    "%s sequences) in %.1f s", len(self.graphs) + len(self.mixed_graphs), self.buckets[0],
+                    self.buckets[-1], *largest, time.perf_counter() - start)
 
     def can_run(self, metadata: AttentionMetadata) -> bool:
         if metadata.is_decode_only:
             return metadata.num_seqs <= self.max_num_seqs
-        return (metadata.num_seqs == 1 and bool(self.prefill_buckets)
-                and metadata.query_start_loc_cpu[1] <= self.prefill_buckets[-1])
+        return self._mixed_bucket(metadata.query_start_loc_cpu[-1], metadata.num_seqs) is not None
+
+    def _mixed_bucket(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        """The smallest mixed-step graph that holds the step (buckets are sorted by tokens, then sequences)."""
+        return next(((t, m) for t, m in self.mixed_buckets if t >= num_tokens and m >= num_seqs), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         if not metadata.is_decode_only:
-            return self._run_prefill(input_ids, positions, metadata)
+            return self._run_mixed(input_ids, positions, metadata)
         n = metadata.num_seqs
         bs = next(b for b in self.buckets if b >= n)
         self._copy_tokens(input_ids, positions, metadata.slot_mapping, bs)  # padding rows write nothing ...
@@ -133,16 +146,17 @@ class CUDAGraphRunner:
         self.graphs[bs].replay()
         return self.hidden[:n]
 
-    def _run_prefill(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                     metadata: AttentionMetadata) -> torch.Tensor:
-        n = input_ids.shape[0]
-        size = next(t for t in self.prefill_buckets if t >= n)
+    def _run_mixed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   metadata: AttentionMetadata) -> torch.Tensor:
+        n, s = input_ids.shape[0], metadata.num_seqs
+        size, seqs = self._mixed_bucket(n, s)
         self._copy_tokens(input_ids, positions, metadata.slot_mapping, size)
-        self.prefill_query_start_loc.copy_(metadata.query_start_loc)  # [0, n]: the padding tokens are no one's
-        self.seq_lens[:1].copy_(metadata.seq_lens)
+        self.mixed_query_start_loc[: s + 1].copy_(metadata.query_start_loc)
+        self.mixed_query_start_loc[s + 1 : seqs + 1].fill_(n)  # padding sequences: empty; padding tokens: no one's
+        self.seq_lens[:s].copy_(metadata.seq_lens)
         width = metadata.block_tables.shape[1]
-        self.block_tables[:1, :width].copy_(metadata.block_tables)
-        self.prefill_graphs[size].replay()
+        self.block_tables[:s, :width].copy_(metadata.block_tables)
+        self.mixed_graphs[(size, seqs)].replay()
         return self.hidden[:n]
 
     def _copy_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

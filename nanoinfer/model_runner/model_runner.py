@@ -123,13 +123,13 @@ class ModelRunner:
         bind_kv_cache(self.model, self.kv_cache, self.attn_backend)
 
     def capture_cuda_graphs(self, max_model_len: int) -> None:
-        """Decode steps and short one-sequence prefills replay graphs on CUDA with the Triton backend, unless
+        """Decode steps and small mixed steps replay graphs on CUDA with the Triton backend, unless
         enforce_eager."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.attn_backend.name != "triton":
             return
         self.cuda_graphs = CUDAGraphRunner(self.model, self.hf_config.hidden_size, self.dtype, self.device,
                                            self.config.max_num_seqs, max_model_len, self.block_size,
-                                           self.config.max_num_batched_tokens, prefill=tp_world_size() == 1)
+                                           self.config.max_num_batched_tokens, mixed=tp_world_size() == 1)
         self.cuda_graphs.capture()
         self._compile_eager_variants()
 

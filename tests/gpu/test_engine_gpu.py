@@ -44,29 +44,62 @@ def test_fast_path_equals_reference_fp32(fp32_reference: list) -> None:
     assert_greedy_close(fp32_reference, greedy(CONFIG, load_format="dummy", dtype="float32"))
 
 
+def record_mixed_steps(monkeypatch) -> list[tuple[int, int]]:
+    """(tokens, sequences) of every step that replays a mixed-step graph from now on."""
+    from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
+
+    steps: list[tuple[int, int]] = []
+    run_mixed = CUDAGraphRunner._run_mixed
+    monkeypatch.setattr(CUDAGraphRunner, "_run_mixed", lambda self, ids, positions, metadata: steps.append(
+        (ids.shape[0], metadata.num_seqs)) or run_mixed(self, ids, positions, metadata))
+    return steps
+
+
 def test_one_sequence_prefills_replay_graphs_and_equal_reference_fp32(fp32_reference: list, monkeypatch) -> None:
-    """Each prompt (5-300 tokens) alone, so every prefill is one sequence's and replays a prefill graph (padded
+    """Each prompt (5-300 tokens) alone, so every prefill is one sequence's and replays a mixed-step graph (padded
     to its token bucket); then each again, its prefix now cached, so only the tail is prefilled over the
     cached context. Both give the reference path's greedy tokens (which it made for the prompts batched)."""
     from nanoinfer import LLM
-    from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 
-    replays: list[int] = []
-    run_prefill = CUDAGraphRunner._run_prefill
-    monkeypatch.setattr(CUDAGraphRunner, "_run_prefill",
-                        lambda self, ids, *rest: replays.append(ids.shape[0]) or run_prefill(self, ids, *rest))
+    steps = record_mixed_steps(monkeypatch)
     llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4,
               max_num_batched_tokens=4096)
     try:
         for round_ in ("fresh", "prefix cached"):
-            replays.clear()
+            steps.clear()
             outs = [llm.generate([p], greedy_params(), use_tqdm=False)[0].outputs[0] for p in prompts()]
+            replays = [t for t, _ in steps]
             print(f"{round_}: {len(replays)} prefill replays of {min(replays)}-{max(replays)} tokens")
             assert_greedy_close(fp32_reference, outs)
+            assert all(m == 1 for _, m in steps)
             if round_ == "fresh":
                 assert sorted(replays) == sorted(len(p) for p in prompts())
             else:  # the prefix cache leaves each prompt's tail (a few tokens: a prefill, or a decode-graph step)
                 assert replays and max(replays) <= 16
+    finally:
+        llm.close()
+        del llm
+        free_gpu_memory()
+
+
+def test_mixed_steps_replay_graphs_and_equal_reference_fp32(fp32_reference: list, monkeypatch) -> None:
+    """All 32 prompts at once with 256 tokens per step: prompts prefill, in chunks, beside the decodes of those
+    already done, and every such step replays a mixed-step graph (up to 256 tokens of up to 64 sequences). The
+    greedy tokens are the reference path's."""
+    from nanoinfer import LLM
+
+    steps = record_mixed_steps(monkeypatch)
+    llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4,
+              max_num_batched_tokens=256)
+    try:
+        outs = [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False)]
+        beside = [m for _, m in steps if m > 1]
+        print(f"{len(steps)} mixed-step replays, {len(beside)} with decodes beside the prefill "
+              f"(up to {max(beside, default=0)} sequences)")
+        assert_greedy_close(fp32_reference, outs)
+        assert len(beside) >= 5
+        # Every prompt token was prefilled inside a replay (the rest of the replayed tokens are decodes).
+        assert sum(t for t, _ in steps) >= sum(len(p) for p in prompts())
     finally:
         llm.close()
         del llm
