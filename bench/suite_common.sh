@@ -42,10 +42,13 @@ if [ -f .smolB/part ]; then
 fi
 
 serve_and_load() {  # serve_and_load NAME TREE RATE...: the dummy Qwen3-0.6B served by TREE's engine, then
-  # bench/serving.py's 500 requests of 512 in / 128 out at each RATE (req/s, or inf); logs $OUT/NAME_*.log
-  local name=$1 tree=$2 port=8765; shift 2
-  PYTHONPATH="$tree:$PYTHONPATH" python3 -m nanoinfer.cli serve nanoinfer/configs/qwen3-0.6b.json --load-format dummy \
-    --tokenizer "${TOKENIZER:-.tok}" --max-model-len 2048 --port $port --no-access-log > "$OUT/${name}_server.log" 2>&1 &
+  # bench/serving.py's 500 requests of 512 in / 128 out at each RATE (req/s, or inf); logs $OUT/NAME_*.log.
+  # The server starts in TREE: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
+  local name=$1 tree=$2 port=8765 root=$PWD tok; shift 2
+  tok=$(realpath "${TOKENIZER:-.tok}")
+  (cd "$tree" && python3 -c "import nanoinfer; print('== $name: the server imports', nanoinfer.__file__)")
+  (cd "$tree" && exec python3 -m nanoinfer.cli serve "$root/nanoinfer/configs/qwen3-0.6b.json" --load-format dummy \
+    --tokenizer "$tok" --max-model-len 2048 --port $port --no-access-log > "$OUT/${name}_server.log" 2>&1) &
   local server=$!
   for _ in $(seq 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
   for rate in "$@"; do
