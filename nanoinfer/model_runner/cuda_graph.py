@@ -34,7 +34,7 @@ logger = logging.getLogger("nanoinfer")
 
 
 MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
-MIXED_SEQ_BUCKETS = (1, 4, 16, 64, 256)
+MIXED_SEQ_BUCKETS = (1, 4, 16, 64)
 
 
 def batch_size_buckets(max_num_seqs: int) -> list[int]:

@@ -84,7 +84,7 @@ def test_one_sequence_prefills_replay_graphs_and_equal_reference_fp32(fp32_refer
 
 def test_mixed_steps_replay_graphs_and_equal_reference_fp32(fp32_reference: list, monkeypatch) -> None:
     """All 32 prompts at once with 256 tokens per step: prompts prefill, in chunks, beside the decodes of those
-    already done, and every such step replays a mixed-step graph (up to 256 tokens of up to 64 sequences here). The
+    already done, and every such step replays a mixed-step graph (up to 256 tokens of up to 64 sequences). The
     greedy tokens are the reference path's."""
     from nanoinfer import LLM
 
