@@ -29,9 +29,9 @@ def step(q_lens: list[int], context: int = 600) -> AttentionMetadata:
 def test_buckets():
     assert batch_size_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_size_buckets(256)[-1] == 256
     full = mixed_buckets(16384, 256)
-    assert sorted({t for t, _ in full}) == [16, 32, 64, 128, 256, 512, 1024, 2048] and len(full) == 3 + 3 + 6 * 4
+    assert sorted({t for t, _ in full}) == [16, 32, 64, 128, 256, 512, 1024] and len(full) == 3 + 3 + 5 * 4
     assert full[:4] == [(16, 1), (16, 4), (16, 16), (32, 1)]
-    assert full[-4:] == [(2048, 1), (2048, 4), (2048, 16), (2048, 64)]
+    assert full[-4:] == [(1024, 1), (1024, 4), (1024, 16), (1024, 64)]
     assert all(m <= t for t, m in full)  # a sequence has at least one token
     assert mixed_buckets(100, 8) == [(16, 1), (16, 4), (16, 8), (32, 1), (32, 4), (32, 8), (64, 1), (64, 4), (64, 8)]
     assert mixed_buckets(8, 256) == []  # no token bucket a step could fill
@@ -41,15 +41,14 @@ def test_decode_batches_and_small_mixed_steps_replay_graphs():
     graphs = runner()
     assert graphs.can_run(step([1, 1, 1, 1]))
     assert not graphs.can_run(step([1] * 5))  # more sequences than the largest decode bucket
-    assert graphs.can_run(step([5])) and graphs.can_run(step([2048]))  # a prompt, or a chunk over a cached prefix
-    assert not graphs.can_run(step([2049]))
+    assert graphs.can_run(step([5])) and graphs.can_run(step([1024]))  # a prompt, or a chunk over a cached prefix
+    assert not graphs.can_run(step([1025]))
     assert graphs.can_run(step([5, 1])) and graphs.can_run(step([1000, 1, 1, 1]))  # prefills beside decodes
-    assert graphs.can_run(step([512, 512, 1, 1]))  # two prompts that arrived together
-    assert not graphs.can_run(step([2000, 60]))  # more tokens than the largest bucket
+    assert not graphs.can_run(step([1000, 30]))  # more tokens than the largest bucket
     assert graphs._mixed_bucket(5, 1) == (16, 1) and graphs._mixed_bucket(17, 2) == (32, 4)
     assert graphs._mixed_bucket(600, 4) == (1024, 4)
     # Static buffers hold the largest bucket of either kind.
-    assert graphs.input_ids.shape[0] == graphs.slot_mapping.shape[0] == graphs.hidden.shape[0] == 2048
+    assert graphs.input_ids.shape[0] == graphs.slot_mapping.shape[0] == graphs.hidden.shape[0] == 1024
     assert graphs.mixed_query_start_loc.shape[0] == 5
 
 

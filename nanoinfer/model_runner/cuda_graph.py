@@ -33,7 +33,7 @@ from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 logger = logging.getLogger("nanoinfer")
 
 
-MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+MIXED_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 MIXED_SEQ_BUCKETS = (1, 4, 16, 64)
 
 
