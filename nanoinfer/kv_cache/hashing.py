@@ -25,7 +25,7 @@ def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block
     Called as tokens arrive, so each block is hashed exactly once in a request's life."""
     first = len(block_hashes) * block_size
     end = first + (len(token_ids) - first) // block_size * block_size
-    if end <= first:
+    if end <= first:  # most calls: a decode step's token completes no block
         return
     data = array("q", token_ids[first:end]).tobytes()  # one conversion for all new blocks (a prompt has hundreds)
     width = 8 * block_size

@@ -27,8 +27,8 @@ def greedy(model: str, **engine_args) -> list:
     """The CompletionOutputs of 64 greedy tokens for each of 32 prompts, with top-5 logprobs."""
     from nanoinfer import LLM
 
-    # 4096 tokens per step (the 32 prompts prefill in two steps): the offline default (16,384 on a large GPU) makes the fp32
-    # reference path's profiled peak (~41 GiB) exceed 0.4 of an 80 GB H100.
+    # 4096 tokens per step (the 32 prompts prefill in two steps): the offline default (16,384 on a large GPU)
+    # makes the fp32 reference path's profiled peak (~41 GiB) exceed 0.4 of an 80 GB H100.
     engine_args = {"max_model_len": 2048, "gpu_memory_utilization": 0.4, "max_num_batched_tokens": 4096, **engine_args}
     llm = LLM(model, **engine_args)
     try:
