@@ -456,14 +456,17 @@ def test_metrics_move(server, client):
         assert name in names
 
 
+def delta(text: str, tokens: list[int], finish: str | None = None):
+    """One engine delta of request r-0: `text` for the new `tokens`, each with logprob -1."""
+    from nanoinfer.outputs import CompletionOutput, RequestOutput
+
+    logprobs = [{t: -1.0} for t in tokens]
+    return RequestOutput("r-0", None, [1, 2], [CompletionOutput(0, text, tokens, logprobs, finish)], finish is not None)
+
+
 def test_output_stream_merges_deltas_for_a_slow_reader() -> None:
     """Deltas that arrive before the reader takes them come out as one, in order."""
-    from nanoinfer.outputs import CompletionOutput, RequestOutput
     from nanoinfer.server.core_client import OutputStream
-
-    def delta(text: str, tokens: list[int], finish: str | None = None) -> RequestOutput:
-        logprobs = [{t: -1.0} for t in tokens]
-        return RequestOutput("r-0", None, [1, 2], [CompletionOutput(0, text, tokens, logprobs, finish)], finish is not None)
 
     async def read() -> list[dict]:
         stream = OutputStream(["r-0"])
@@ -477,3 +480,21 @@ def test_output_stream_merges_deltas_for_a_slow_reader() -> None:
     merged = first["r-0"].outputs[0]
     assert (merged.text, merged.token_ids, merged.logprobs) == ("Hello", [5, 6, 7], [{5: -1.0}, {6: -1.0}, {7: -1.0}])
     assert last["r-0"].finished and last["r-0"].outputs[0].token_ids == [8]
+
+
+def test_a_token_whose_text_lags_still_gets_its_chunk() -> None:
+    """As in vLLM, every new token makes a chunk, with empty text while its text is held back (an incomplete
+    character, a possible stop string, an id the tokenizer cannot decode): time to first token and between
+    tokens count tokens, and each token's logprobs go out when it is sampled."""
+    from nanoinfer.server.serving import _DeltaTracker
+
+    tracker = _DeltaTracker(["r-0"], 1)
+    steps = [delta("", [5]), delta("", []), delta("Hello", [6, 7]), delta("!", [8], "stop"), delta("late", [9])]
+    chunks = [[(d.text, d.token_ids, d.logprobs, d.text_offset, d.first) for d in tracker.update({"r-0": out})]
+              for out in steps]
+    assert chunks == [[("", [5], [{5: -1.0}], 0, True)],
+                      [],  # nothing new: no chunk
+                      [("Hello", [6, 7], [{6: -1.0}, {7: -1.0}], 0, False)],
+                      [("!", [8], [{8: -1.0}], 5, False)],
+                      []]  # after the last chunk
+    assert tracker.usage()["completion_tokens"] == 4

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
 from starlette.requests import Request
@@ -73,8 +73,6 @@ class _Delta:
 @dataclass
 class _Sent:
     text_len: int = 0  # characters sent so far
-    token_ids: list[int] = field(default_factory=list)  # tokens not sent yet (their text may lag)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     started: bool = False
     finished: bool = False
 
@@ -99,14 +97,14 @@ class _DeltaTracker:
                 if sent.finished:
                     continue
                 self.completion_tokens += len(c.token_ids)
-                sent.token_ids += c.token_ids
-                sent.logprobs += c.logprobs or []
-                if not (c.text or c.finish_reason is not None):
-                    continue  # text can lag tokens (incomplete characters, a possible stop string)
-                yield _Delta(self.position[request_id] * self.n + c.index, output, c, c.text, sent.token_ids,
-                             sent.logprobs if c.logprobs is not None else None, sent.text_len, not sent.started)
+                # A chunk per new token, even while its text lags (an incomplete character, a possible stop
+                # string, an id the tokenizer cannot decode): as vLLM, so time to first token and between
+                # tokens mean the tokens, and a client sees each token's logprobs as it is sampled.
+                if not (c.text or c.token_ids or c.finish_reason is not None):
+                    continue
+                yield _Delta(self.position[request_id] * self.n + c.index, output, c, c.text, c.token_ids,
+                             c.logprobs, sent.text_len, not sent.started)
                 sent.text_len += len(c.text)
-                sent.token_ids, sent.logprobs = [], []
                 sent.started, sent.finished = True, c.finish_reason is not None
 
     def usage(self) -> dict:
