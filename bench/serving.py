@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import httpx
@@ -72,36 +74,80 @@ async def send_request(http: httpx.AsyncClient, url: str, body: dict, headers: d
     return result
 
 
-async def run_benchmark(args: argparse.Namespace, url: str, headers: dict) -> tuple[list[RequestResult], float]:
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int], list[float]]:
+    """The prompts, the warm-up's own prompt (so it leaves no prefix-cache hits behind) and each request's send
+    time after the start: 0 for all at once, else Poisson arrivals at --request-rate."""
     rng = random.Random(args.seed)
-    # One more than asked: the warm-up request's own, so it leaves no prefix-cache hits behind.
     *prompts, warmup_prompt = [[rng.randrange(args.vocab_size) for _ in range(args.input_len)]
                                for _ in range(args.num_prompts + 1)]
+    offsets, t = [], 0.0
+    for _ in prompts:
+        offsets.append(t)
+        if args.request_rate != float("inf"):
+            t += rng.expovariate(args.request_rate)
+    return prompts, warmup_prompt, offsets
+
+
+def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def http_client() -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as http:
-        model = args.model or (await http.get(f"{url}/v1/models", headers=headers)).json()["data"][0]["id"]
+    return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits)
 
-        def body(prompt: list[int], max_tokens: int) -> dict:
-            return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
 
-        warmup = await send_request(http, url, body(warmup_prompt, 4), headers)
-        if not warmup.ok:
-            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
-        semaphore = asyncio.Semaphore(args.max_concurrency or len(prompts))
+async def warm_up(url: str, headers: dict, model: str | None, prompt: list[int]) -> str:
+    """The model name to send (the server's first unless given), after one short request."""
+    async with http_client() as http:
+        model = model or (await http.get(f"{url}/v1/models", headers=headers)).json()["data"][0]["id"]
+        result = await send_request(http, url, request_body(model, prompt, 4), headers)
+    if not result.ok:
+        raise RuntimeError(f"the warm-up request failed: {result.error}")
+    return model
 
-        async def limited(prompt: list[int]) -> RequestResult:
+
+async def run_client(url: str, headers: dict, bodies: list[dict], offsets: list[float], start: float,
+                     max_concurrency: int | None) -> tuple[list[RequestResult], float]:
+    """Send each body at `start` (time.monotonic) + its offset, at most max_concurrency in flight; the results
+    and when the last one ended."""
+    semaphore = asyncio.Semaphore(max_concurrency or len(bodies) or 1)
+    async with http_client() as http:
+
+        async def one(body: dict, offset: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
             async with semaphore:
-                return await send_request(http, url, body(prompt, args.output_len), headers)
+                return await send_request(http, url, body, headers)
 
-        tasks = []
-        start = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        results = await asyncio.gather(*(one(body, offset) for body, offset in zip(bodies, offsets)))
+    return list(results), time.monotonic()
+
+
+def client_process(*call_args) -> tuple[list[RequestResult], float]:
+    """One load-generating process of --num-clients (its own event loop and connections)."""
+    return asyncio.run(run_client(*call_args))
+
+
+def run_benchmark(args: argparse.Namespace, url: str, headers: dict) -> tuple[list[RequestResult], float]:
+    """The load from --num-clients processes (one: this one, as `vllm bench serve`); request i goes to client
+    i mod n, on one shared schedule. Duration: from the schedule's start to the last request's end."""
+    prompts, warmup_prompt, offsets = workload(args)
+    model = asyncio.run(warm_up(url, headers, args.model, warmup_prompt))
+    bodies = [request_body(model, prompt, args.output_len) for prompt in prompts]
+    n = args.num_clients
+    concurrency = -(-args.max_concurrency // n) if args.max_concurrency else None
+    if n == 1:
+        start = time.monotonic()
+        results, end = client_process(url, headers, bodies, offsets, start, concurrency)
+        return results, end - start
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(time.sleep, [0.2] * n))  # every process started and imported before the clock starts
+        start = time.monotonic() + 0.1
+        parts = [pool.submit(client_process, url, headers, bodies[i::n], offsets[i::n], start, concurrency)
+                 for i in range(n)]
+        outcomes = [part.result() for part in parts]
+    return [r for results, _ in outcomes for r in results], max(end for _, end in outcomes) - start
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -185,12 +231,17 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="mean requests per second, Poisson arrivals (inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--num-clients", type=int, default=1,
+                        help="load-generating processes: one (as vllm bench serve) saturates its core before a fast "
+                             "server does at high rates; more split the requests round-robin on one schedule")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-timeout", type=float, default=600, help="seconds to wait for a launched server")
     parser.add_argument("--json-out", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     if args.request_rate <= 0:
         parser.error("--request-rate must be > 0")
+    if args.num_clients < 1:
+        parser.error("--num-clients must be >= 1")
 
     proc = None
     url = args.base_url
@@ -198,7 +249,7 @@ def main() -> None:
         proc, url = launch_server(serve_args, args.server_timeout)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
-        results, duration = asyncio.run(run_benchmark(args, url.rstrip("/"), headers))
+        results, duration = run_benchmark(args, url.rstrip("/"), headers)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -42,7 +42,8 @@ if [ -f .smolB/part ]; then
 fi
 
 serve_and_load() {  # serve_and_load NAME TREE RATE...: the dummy Qwen3-0.6B served by TREE's engine, then
-  # bench/serving.py's 500 requests of 512 in / 128 out at each RATE (req/s, or inf); logs $OUT/NAME_*.log.
+  # bench/serving.py's 500 requests of 512 in / 128 out at each RATE (req/s, or inf), with SERVING_ARGS (e.g.
+  # "--num-clients 4"); logs $OUT/NAME_*.log.
   # The server starts in TREE: `python -m` puts the working directory first on sys.path, before PYTHONPATH.
   local name=$1 tree=$2 port=8765 root=$PWD tok; shift 2
   tok=$(realpath "${TOKENIZER:-.tok}")
@@ -53,7 +54,7 @@ serve_and_load() {  # serve_and_load NAME TREE RATE...: the dummy Qwen3-0.6B ser
   for _ in $(seq 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
   for rate in "$@"; do
     run 150 "${name}_rate_$rate" python3 bench/serving.py --base-url http://127.0.0.1:$port --num-prompts 500 \
-      --input-len 512 --output-len 128 --request-rate "$rate" --json-out "$OUT/${name}_$rate.json"
+      --input-len 512 --output-len 128 --request-rate "$rate" ${SERVING_ARGS:-} --json-out "$OUT/${name}_$rate.json"
     grep -E "throughput|Median|P99|Mean TTFT|Mean TPOT" "$OUT/${name}_rate_$rate.log"
   done
   kill -TERM $server; wait $server; echo "server exit $?"; tail -n 3 "$OUT/${name}_server.log"
