@@ -259,9 +259,6 @@ class CoreClient:
                 logger.exception("processing engine outputs failed")
                 self._die(f"processing engine outputs failed: {type(e).__name__}: {e}")
                 return
-            # A queued message is received without yielding: let the streams send before the next one, or
-            # an API process that falls behind (hundreds of streams) sends nothing until it catches up.
-            await asyncio.sleep(0)
 
     def _process_outputs(self, rows: list, scheduled: list, stats: dict) -> None:
         now = time.monotonic()
