@@ -159,3 +159,23 @@ def test_stream_never_leaks_a_stop_string(tokenizer, data, text, include):
     assert not any(s in full[:start] for s in stops)  # no earlier stop string was missed
     if not include:
         assert not any(s in "".join(deltas) for s in stops)
+
+
+class _DecodeOnly:
+    """A tokenizer with transformers' `decode` and no Rust backend (the shape of a Python-backend tokenizer)."""
+
+    def __init__(self, tokenizer):
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_and_wrapper_decode_stream_the_same(tokenizer, skip):
+    """The detokenizer calls the Rust tokenizer directly where it can; through transformers' decode the
+    deltas are the same, special tokens and split characters included."""
+    output_ids = [t for text in TEXTS for t in encode(tokenizer, text) + encode(tokenizer, "<|im_end|>")]
+    streams = []
+    for tok in (tokenizer, _DecodeOnly(tokenizer)):
+        detok = IncrementalDetokenizer(tok, encode(tokenizer, PROMPT), SamplingParams(skip_special_tokens=skip))
+        streams.append(stream_tokens(detok, output_ids)[1])
+    assert streams[0] == streams[1]
+    assert "".join(streams[0]) == tokenizer.decode(output_ids, skip_special_tokens=skip)

@@ -10,6 +10,7 @@ but only once it no longer ends in U+FFFD (an incomplete character).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from nanoinfer.sampling_params import SamplingParams
@@ -25,15 +26,22 @@ _INCOMPLETE_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], params: SamplingParams):
-        self.tokenizer = tokenizer
         self.stop = params.stop
         self.include_stop_str_in_output = params.include_stop_str_in_output
-        self.skip_special_tokens = params.skip_special_tokens
         self.min_tokens = params.min_tokens
         # A stream holds back this many characters: they may be the start of a stop string.
         self.stop_buffer_length = (
             max(len(s) for s in self.stop) - 1 if self.stop and not self.include_stop_str_in_output else 0
         )
+        # Straight to the Rust tokenizer where there is one: transformers' `decode` wrapper costs ~8x the decode
+        # itself, and a server with hundreds of streams decodes two windows per token (bench/RESULTS.md). Its
+        # only other work, space clean-up, is off here.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            self._decode = partial(backend.decode, skip_special_tokens=params.skip_special_tokens)
+        else:
+            self._decode = partial(tokenizer.decode, skip_special_tokens=params.skip_special_tokens,
+                                   clean_up_tokenization_spaces=False)
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -62,9 +70,8 @@ class IncrementalDetokenizer:
         return self._truncate_at_stop(checked_length)
 
     def _decode_new_text(self) -> str:
-        decode_kwargs = {"skip_special_tokens": self.skip_special_tokens, "clean_up_tokenization_spaces": False}
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset], **decode_kwargs)
-        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :], **decode_kwargs)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE_CHAR):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
