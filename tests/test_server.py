@@ -490,7 +490,8 @@ def test_a_token_whose_text_lags_still_gets_its_chunk() -> None:
 
     tracker = _DeltaTracker(["r-0"], 1)
     steps = [delta("", [5]), delta("", []), delta("Hello", [6, 7]), delta("!", [8], "stop"), delta("late", [9])]
-    chunks = [[(d.text, d.token_ids, d.logprobs, d.text_offset, d.first) for d in tracker.update({"r-0": out})]
+    chunks = [[(d.completion.text, d.completion.token_ids, d.completion.logprobs, d.text_offset, d.first)
+               for d in tracker.update({"r-0": out})]
               for out in steps]
     assert chunks == [[("", [5], [{5: -1.0}], 0, True)],
                       [],  # nothing new: no chunk

@@ -62,11 +62,8 @@ class _Delta:
 
     index: int  # the choice's index in the response: prompt position x n + child index
     output: RequestOutput
-    completion: CompletionOutput
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    text_offset: int  # where `text` starts in the choice's whole text
+    completion: CompletionOutput  # its new text, tokens and logprobs
+    text_offset: int  # where the new text starts in the choice's whole text
     first: bool
 
 
@@ -102,8 +99,7 @@ class _DeltaTracker:
                 # tokens mean the tokens, and a client sees each token's logprobs as it is sampled.
                 if not (c.text or c.token_ids or c.finish_reason is not None):
                     continue
-                yield _Delta(self.position[request_id] * self.n + c.index, output, c, c.text, c.token_ids,
-                             c.logprobs, sent.text_len, not sent.started)
+                yield _Delta(self.position[request_id] * self.n + c.index, output, c, sent.text_len, not sent.started)
                 sent.text_len += len(c.text)
                 sent.started, sent.finished = True, c.finish_reason is not None
 
@@ -156,10 +152,11 @@ class OpenAIServing:
         stream = self._generate(request_id, req.prompts(), params, req, {})
 
         def choice(d: _Delta, streaming: bool) -> dict:
-            return {"index": d.index, "text": (self._prompt_text(d.output) if req.echo and d.first else "") + d.text,
-                    "logprobs": None if d.logprobs is None else
-                    self._completion_logprobs(d.token_ids, d.logprobs, d.text_offset),
-                    "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
+            c = d.completion
+            return {"index": d.index, "text": (self._prompt_text(d.output) if req.echo and d.first else "") + c.text,
+                    "logprobs": None if c.logprobs is None else
+                    self._completion_logprobs(c.token_ids, c.logprobs, d.text_offset),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
         return await self._respond(stream, raw, req, params.n, request_id, ("text_completion", "text_completion"),
                                    choice)
@@ -179,11 +176,12 @@ class OpenAIServing:
         stream = self._generate(request_id, [prompt], params, req, renames)
 
         def choice(d: _Delta, streaming: bool) -> dict:
-            message = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
+            c = d.completion
+            message = {"role": "assistant", "content": c.text} if d.first else {"content": c.text}
             return {"index": d.index, "delta" if streaming else "message": message,
-                    "logprobs": None if d.logprobs is None else
-                    self._chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0),
-                    "finish_reason": d.completion.finish_reason, "stop_reason": d.completion.stop_reason}
+                    "logprobs": None if c.logprobs is None else
+                    self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
         return await self._respond(stream, raw, req, params.n, request_id, ("chat.completion.chunk", "chat.completion"),
                                    choice)
@@ -267,7 +265,7 @@ class OpenAIServing:
             return Response(status_code=499)
         if any(c.finish_reason == "error" for o in outputs for c in o.outputs):
             raise _request_failed(request_id)
-        choices = [render(_Delta(i * n + c.index, o, c, c.text, c.token_ids, c.logprobs, 0, True), False)
+        choices = [render(_Delta(i * n + c.index, o, c, 0, True), False)
                    for i, o in enumerate(outputs) for c in o.outputs]
         return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)})
 
