@@ -266,7 +266,7 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
      (torch.bfloat16, torch.float8_e4m3fn)],
 )
 @pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("dim_major_v,heads_per_program", [(False, 1), (True, 1), (False, 4)])
+@pytest.mark.parametrize("dim_major_v,heads_per_program", [(False, 1), (True, 2), (False, 4), (False, 8)])
 @kernel_test
 def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm, dim_major_v,
                                                               heads_per_program):
@@ -276,7 +276,7 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
     the norm's and the rotation's roundings). A wrong angle, sign or head is off by O(1).
     An fp8 cache (GPU only): within one fp8 ulp, a K and a V value of +-1000 saturate to +-448
     and a NaN V value is stored as 0, in both paths. V in K's layout or dim-major (`dim_major_view`); one
-    head per program, or four (9 heads: the last program has one)."""
+    to eight heads per program (9 heads: a program may hold query and key heads, or masked rows)."""
     if cache_dtype == torch.float8_e4m3fn and DEVICE == "cpu":
         pytest.skip("Triton's interpreter rounds to fp8 wrongly (a mantissa carry is lost: 1.99 -> 1.0); "
                     "the fp8 store is checked on the GPU, the fp8 loads here (test_fp8_cache_*)")
@@ -319,11 +319,11 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
 
 
 @kernel_test
-def test_heads_per_program_grows_with_the_launch():
-    assert rc.choose_heads_per_program(1, 24) == rc.choose_heads_per_program(64, 24) == 1  # decode: one each
-    assert rc.choose_heads_per_program(256, 24) == 4  # 1,536 programs
-    assert rc.choose_heads_per_program(8192, 24) == rc.choose_heads_per_program(8192, 48) == 8  # capped
-    assert rc.choose_heads_per_program(100, 24) == 1 and rc.choose_heads_per_program(200, 24) == 2  # powers of two
+def test_heads_per_program_divide_the_heads():
+    """A program's heads are one tile: a power of two up to 8 that divides the heads, so no row is masked."""
+    assert rc.choose_heads_per_program(24) == rc.choose_heads_per_program(40) == 8  # Qwen3-0.6B, -8B
+    assert rc.choose_heads_per_program(20) == rc.choose_heads_per_program(12) == 4  # 8B at TP=2, SmolLM2
+    assert rc.choose_heads_per_program(9) == 1 and rc.choose_heads_per_program(6) == 2
 
 
 @kernel_test

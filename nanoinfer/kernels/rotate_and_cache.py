@@ -56,65 +56,56 @@ def _rotate_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
     CACHE_MAX: tl.constexpr,  # > 0: the cache's largest finite value (fp8), stores saturate to it
-    HEADS_PER_PROGRAM: tl.constexpr,
+    HEADS: tl.constexpr,  # heads per program, as one [HEADS, HEAD_DIM] tile
     USE_PDL: tl.constexpr,
 ):
+    """HEADS consecutive heads of one token (query heads, then KV heads): a query head's rotated row
+    to `query`, a KV head's K and V rows to the cache."""
     token = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * HEADS
+    head = first + tl.arange(0, HEADS)
+    half = tl.arange(0, HEAD_DIM // 2)
+    is_q = head < NUM_HEADS
+    is_kv = (head >= NUM_HEADS) & (head < NUM_HEADS + NUM_KV_HEADS)
+    position = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + position * stride_rope + half)[None, :]
+    sin = tl.load(sin_ptr + position * stride_rope + half)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
-    for i in tl.static_range(HEADS_PER_PROGRAM):  # one head after another
-        head = tl.program_id(1) * HEADS_PER_PROGRAM + i
-        if head < NUM_HEADS + NUM_KV_HEADS:
-            _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                                   k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
-                                   stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
-                                   token, head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, HAS_NORM, CACHE_MAX)
-
-
-@triton.jit
-def _rotate_and_cache_head(qkv_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr, query_ptr,
-                           k_cache_ptr, v_cache_ptr, slot_mapping_ptr, stride_qkv, stride_query, stride_rope,
-                           stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh, stride_vd, eps,
-                           token, head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr, CACHE_MAX: tl.constexpr):
-    """One head of one token: a query head's rotated row to `query`, a KV head's K and V rows to the cache."""
-    half = tl.arange(0, HEAD_DIM // 2)
-    src = qkv_ptr + token * stride_qkv + head * HEAD_DIM  # q heads, then k heads, then v heads
-    x1 = tl.load(src + half).to(tl.float32)
-    x2 = tl.load(src + HEAD_DIM // 2 + half).to(tl.float32)
+    row = qkv_ptr + token * stride_qkv + head[:, None] * HEAD_DIM  # q heads, then k heads, then v heads
+    rows = (is_q | is_kv)[:, None]
+    x1 = tl.load(row + half[None, :], mask=rows, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HEAD_DIM // 2 + half[None, :], mask=rows, other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
     if HAS_NORM:
-        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HEAD_DIM + eps)
-        if head < NUM_HEADS:
-            weight_ptr = q_weight_ptr
-        else:
-            weight_ptr = k_weight_ptr
-        w1 = tl.load(weight_ptr + half).to(tl.float32)
-        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half).to(tl.float32)
-        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    position = tl.load(positions_ptr + token)
-    cos = tl.load(cos_ptr + position * stride_rope + half)
-    sin = tl.load(sin_ptr + position * stride_rope + half)
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half)[None, :], tl.load(k_weight_ptr + half)[None, :])
+        w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + HEAD_DIM // 2 + half)[None, :],
+                      tl.load(k_weight_ptr + HEAD_DIM // 2 + half)[None, :])
+        x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
     out1 = x1 * cos - x2 * sin
     out2 = x2 * cos + x1 * sin
-    if head < NUM_HEADS:
-        dst = query_ptr + token * stride_query + head * HEAD_DIM
-        tl.store(dst + half, out1.to(dtype))
-        tl.store(dst + HEAD_DIM // 2 + half, out2.to(dtype))
-    else:
+    if first < NUM_HEADS:
+        dst = query_ptr + token * stride_query + head[:, None] * HEAD_DIM + half[None, :]
+        tl.store(dst, out1.to(dtype), mask=is_q[:, None])
+        tl.store(dst + HEAD_DIM // 2, out2.to(dtype), mask=is_q[:, None])
+    if first + HEADS > NUM_HEADS:
         slot = tl.load(slot_mapping_ptr + token)
-        if slot >= 0:
-            kv_head = head - NUM_HEADS
-            offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            cache_dtype = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + offset + half, _cache_value(out1, dtype, cache_dtype, CACHE_MAX))
-            tl.store(k_cache_ptr + offset + HEAD_DIM // 2 + half, _cache_value(out2, dtype, cache_dtype, CACHE_MAX))
-            full = tl.arange(0, HEAD_DIM)
-            v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + full)
-            v_offset = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
-            tl.store(v_cache_ptr + v_offset + full * stride_vd, _cache_value(v, dtype, cache_dtype, CACHE_MAX))
+        kv = (tl.where(is_kv, slot, -1) >= 0)[:, None]  # a KV head of a real token (a block-only mask:
+        # the CPU interpreter mis-types block & scalar masks)
+        kv_head = head - NUM_HEADS
+        offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        dst = k_cache_ptr + offset[:, None] + half[None, :]
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        tl.store(dst, _cache_value(out1, dtype, cache_dtype, CACHE_MAX), mask=kv)
+        tl.store(dst + HEAD_DIM // 2, _cache_value(out2, dtype, cache_dtype, CACHE_MAX), mask=kv)
+        full = tl.arange(0, HEAD_DIM)
+        v = tl.load(row + NUM_KV_HEADS * HEAD_DIM + full[None, :], mask=kv)
+        v_offset = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
+        tl.store(v_cache_ptr + v_offset[:, None] + full[None, :] * stride_vd,
+                 _cache_value(v, dtype, cache_dtype, CACHE_MAX), mask=kv)
 
 
 @triton.jit
@@ -128,17 +119,16 @@ def _cache_value(x, dtype: tl.constexpr, cache_dtype: tl.constexpr, CACHE_MAX: t
     return x.to(cache_dtype)
 
 
-# A program's heads run one after another (their loads do not overlap), so a launch wants about this many
-# programs and no more: at 256 tokens x 24 heads one head per program took 7.9 us, four 3.6 us; at 8,192
-# tokens 237 -> 54 us with eight; at 64 tokens or fewer one is fastest (bench/RESULTS.md, H200).
-_PROGRAMS_WANTED = 1536
 _MAX_HEADS_PER_PROGRAM = 8
 
 
-def choose_heads_per_program(num_tokens: int, total_heads: int) -> int:
-    """A power of two from host ints (few compiled variants, stable CUDA-graph captures)."""
-    heads = min(num_tokens * total_heads // _PROGRAMS_WANTED, _MAX_HEADS_PER_PROGRAM)
-    return 1 << (heads.bit_length() - 1) if heads > 1 else 1
+def choose_heads_per_program(total_heads: int) -> int:
+    """The largest power of two up to 8 that divides the heads (no masked rows), from host ints:
+    24 heads (Qwen3-0.6B) -> 8, 20 (Qwen3-8B at TP=2) -> 4, 12 (SmolLM2) -> 4."""
+    heads = 1
+    while heads < _MAX_HEADS_PER_PROGRAM and total_heads % (2 * heads) == 0:
+        heads *= 2
+    return heads
 
 
 def rotate_and_cache(
@@ -153,7 +143,7 @@ def rotate_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
     num_heads: int,
-    heads_per_program: int | None = None,  # None: `choose_heads_per_program`
+    heads_per_program: int | None = None,  # a power of two; None: `choose_heads_per_program`
 ) -> torch.Tensor:
     """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
@@ -180,7 +170,7 @@ def rotate_and_cache(
         return query
     has_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
-    heads_per_program = heads_per_program or choose_heads_per_program(num_tokens, num_heads + num_kv_heads)
+    heads_per_program = heads_per_program or choose_heads_per_program(num_heads + num_kv_heads)
     _rotate_and_cache_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, heads_per_program))](
         qkv,
         positions,
@@ -206,9 +196,9 @@ def rotate_and_cache(
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
         CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype == torch.float8_e4m3fn else 0.0,
-        HEADS_PER_PROGRAM=heads_per_program,
+        HEADS=heads_per_program,
         USE_PDL=pdl,
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=max(1, min(4, heads_per_program * head_dim // 256)),
         launch_pdl=pdl,
     )
     return query
