@@ -5,13 +5,12 @@ rows at their `slot_mapping` slots in the paged cache.
 
 Done as separate ops this was five to six small kernels per layer (norms, rotary,
 KV write), which at decode batch sizes cost far more in launches and poorly fused
-index math than their few kilobytes of traffic. One program handles one or a few
-heads of one token (query heads first, then KV heads, as the projection lays
-them out); a KV head also copies its V row. A slot of -1 marks a padding row
-(a CUDA-graph batch padded to its bucket): its K/V are not stored, so the launch
-never needs the host to look at slot_mapping. Large launches give a program several
-heads (`choose_heads_per_program`): thousands of one-warp programs cost more to
-schedule than their work.
+index math than their few kilobytes of traffic. One program handles up to eight
+consecutive heads of one token (query heads first, then KV heads, as the projection
+lays them out) as one [heads, head_dim] tile, so all their loads are in flight at
+once; a KV head also copies its V row. A slot of -1 marks a padding row (a CUDA-graph
+batch padded to its bucket): its K/V are not stored, so the launch never needs the
+host to look at slot_mapping.
 
 Rounding follows the PyTorch path (`rms_norm_math`, `_rotate` in layers/): norm
 statistics in float32, normalised value rounded to the model dtype before the
@@ -119,16 +118,16 @@ def _cache_value(x, dtype: tl.constexpr, cache_dtype: tl.constexpr, CACHE_MAX: t
     return x.to(cache_dtype)
 
 
-_MAX_HEADS_PER_PROGRAM = 8
+# Launch shape, from a sweep of heads per program x warps against the sequential-heads kernel this replaced
+# (bench/RESULTS.md, H200): 8 heads and 4 warps fastest from 1 to 1,024 tokens (256 tokens x 24 heads 3.5 -> 1.9 us),
+# one warp past 1,024 (16,384 tokens x 24 heads 103 -> 76 us).
+_HEADS_PER_PROGRAM = 8
+_SMALL_LAUNCH_TOKENS = 1024
 
 
 def choose_heads_per_program(total_heads: int) -> int:
-    """The largest power of two up to 8 that divides the heads (no masked rows), from host ints:
-    24 heads (Qwen3-0.6B) -> 8, 20 (Qwen3-8B at TP=2) -> 4, 12 (SmolLM2) -> 4."""
-    heads = 1
-    while heads < _MAX_HEADS_PER_PROGRAM and total_heads % (2 * heads) == 0:
-        heads *= 2
-    return heads
+    """Heads per program: 8, or the next power of two above a smaller head count (rows past it are masked)."""
+    return min(_HEADS_PER_PROGRAM, triton.next_power_of_2(total_heads))
 
 
 def rotate_and_cache(
@@ -198,7 +197,7 @@ def rotate_and_cache(
         CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype == torch.float8_e4m3fn else 0.0,
         HEADS=heads_per_program,
         USE_PDL=pdl,
-        num_warps=max(1, min(4, heads_per_program * head_dim // 256)),
+        num_warps=max(1, min(4, heads_per_program * head_dim // 256)) if num_tokens <= _SMALL_LAUNCH_TOKENS else 1,
         launch_pdl=pdl,
     )
     return query
