@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps and for small mixed steps.
+"""CUDA graphs for decode-only steps and for mixed (prefill) steps.
 
 A decode step of a small model is mostly kernel-launch overhead: ~15 kernels
 per layer, each a few microseconds of CPU. We capture the model's forward once
@@ -13,12 +13,15 @@ A step that prefills, with up to `MIXED_TOKEN_BUCKETS[-1]` tokens from up to
 first token, or a prompt or chunk beside a few decodes, as a server at low load
 runs them), is launch-bound the same way (a 128-token prefill: ~12 ms of host
 work for ~1.2 ms of GPU work on an H200), so it replays a graph captured per
-(token bucket, sequence bucket). The attention kernel maps its programs to
+(token bucket, sequence bucket). Larger steps (a burst of prompts: an offline
+batch, a loaded server) are still host-bound when eager (16,384 tokens: ~39 ms
+of host for ~34 ms of GPU work), so they replay one graph per doubling of the
+token count up to `max_num_batched_tokens`, each with room for `max_num_seqs`
+sequences. The attention kernel maps its programs to
 sequences from `query_start_loc` on the GPU, so one graph serves every split of
 its tokens into sequences: padding tokens belong to no sequence (their tiles
 leave at once) and write no KV (slot -1), and padding sequences are empty.
-Larger steps run eagerly, and so do all non-decode steps under tensor
-parallelism (their all-reduces in a graph are untested on GPUs)."""
+Under tensor parallelism all non-decode steps run eagerly (their all-reduces in a graph are untested on GPUs)."""
 
 from __future__ import annotations
 
@@ -43,10 +46,16 @@ def batch_size_buckets(max_num_seqs: int) -> list[int]:
 
 
 def mixed_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """(tokens, sequences) of the mixed-step graphs: every token bucket a step can fill, with every
-    sequence bucket up to max_num_seqs that its tokens can hold (a sequence has at least one token)."""
+    """(tokens, sequences) of the mixed-step graphs, sorted by tokens: every token bucket a step can fill, with
+    every sequence bucket up to max_num_seqs that its tokens can hold (a sequence has at least one token); past
+    the last token bucket, one per doubling up to max_num_batched_tokens, with room for max_num_seqs."""
     seqs = sorted({min(b, max_num_seqs) for b in MIXED_SEQ_BUCKETS})
-    return [(t, n) for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens for n in seqs if n <= t]
+    buckets = [(t, n) for t in MIXED_TOKEN_BUCKETS if t <= max_num_batched_tokens for n in seqs if n <= t]
+    tokens = MIXED_TOKEN_BUCKETS[-1]
+    while tokens < max_num_batched_tokens:
+        tokens = min(2 * tokens, max_num_batched_tokens)
+        buckets.append((tokens, max_num_seqs))
+    return buckets
 
 
 class CUDAGraphRunner:
