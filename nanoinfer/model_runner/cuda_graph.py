@@ -118,6 +118,9 @@ class CUDAGraphRunner:
             with set_forward_context(metadata):
                 self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size])  # warm-up / autotune
                 torch.cuda.synchronize()
+                # The warm-up's activations were cached outside the graphs' pool: give them back before the
+                # capture needs as much again (a 16,384-token step's, beside the KV cache sized for one such peak).
+                torch.cuda.empty_cache()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size])
