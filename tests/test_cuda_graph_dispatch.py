@@ -1,6 +1,7 @@
-"""Which steps the CUDA-graph runner replays (decode batches up to max_num_seqs, mixed steps in token and sequence
-buckets, and past 1024 tokens in one graph per doubling up to the token budget) and which run eagerly. The rules are host logic, checked here on CPU tensors; the
-captured graphs themselves are checked on the GPU (tests/gpu/test_engine_gpu.py)."""
+"""Which steps the CUDA-graph runner replays (decode batches up to max_num_seqs, mixed steps in token and
+sequence buckets, and past 1024 tokens one graph per doubling up to the token budget) and which run eagerly.
+The rules are host logic, checked here on CPU tensors; the captured graphs themselves are checked on the GPU
+(tests/gpu/test_engine_gpu.py)."""
 
 from __future__ import annotations
 

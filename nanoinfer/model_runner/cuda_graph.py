@@ -17,11 +17,12 @@ work for ~1.2 ms of GPU work on an H200), so it replays a graph captured per
 batch, a loaded server) are still host-bound when eager (16,384 tokens: ~39 ms
 of host for ~34 ms of GPU work), so they replay one graph per doubling of the
 token count up to `max_num_batched_tokens`, each with room for `max_num_seqs`
-sequences. The attention kernel maps its programs to
-sequences from `query_start_loc` on the GPU, so one graph serves every split of
-its tokens into sequences: padding tokens belong to no sequence (their tiles
-leave at once) and write no KV (slot -1), and padding sequences are empty.
-Under tensor parallelism all non-decode steps run eagerly (their all-reduces in a graph are untested on GPUs)."""
+sequences. The attention kernel maps its programs to sequences from
+`query_start_loc` on the GPU, so one graph serves every split of its tokens into
+sequences: padding tokens belong to no sequence (their tiles leave at once) and
+write no KV (slot -1), and padding sequences are empty. Under tensor parallelism
+all non-decode steps run eagerly (their all-reduces in a graph are untested on
+GPUs)."""
 
 from __future__ import annotations
 
