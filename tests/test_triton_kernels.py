@@ -324,6 +324,13 @@ def test_heads_per_program():
     heads are masked)."""
     assert rc.choose_heads_per_program(24) == rc.choose_heads_per_program(20) == rc.choose_heads_per_program(12) == 8
     assert rc.choose_heads_per_program(6) == 8 and rc.choose_heads_per_program(3) == 4 and rc.choose_heads_per_program(1) == 1
+    qkv = torch.zeros(1, 4 * 64)
+    cache = torch.zeros(1, BLOCK_SIZE, 1, 64)
+    table = torch.zeros(8, 32)
+    for bad in (3, -2):
+        with pytest.raises(ValueError, match="heads_per_program must be a power of two"):
+            rc.rotate_and_cache(qkv, torch.zeros(1, dtype=torch.int64), table, table, None, None, 1e-6, cache, cache,
+                                torch.zeros(1, dtype=torch.int64), num_heads=2, heads_per_program=bad)
 
 
 @kernel_test

@@ -170,6 +170,8 @@ def rotate_and_cache(
     has_norm = q_norm_weight is not None
     pdl = pdl_enabled(qkv.device)
     heads_per_program = heads_per_program or choose_heads_per_program(num_heads + num_kv_heads)
+    if heads_per_program < 1 or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"heads_per_program must be a power of two (a tile's rows), got {heads_per_program}")
     _rotate_and_cache_kernel[(num_tokens, triton.cdiv(num_heads + num_kv_heads, heads_per_program))](
         qkv,
         positions,
