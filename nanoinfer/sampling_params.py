@@ -14,8 +14,18 @@ from dataclasses import dataclass
 # tiny temperature would only overflow.
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on what one request may ask for every token of every step (OpenAI takes at most 4 stop strings; vLLM
+# sets no bound): stop strings are searched in the new text of each token, stop token ids masked per step
+# under min_tokens, so an unbounded list from one client would slow every request in the batch.
+MAX_STOP_STRINGS = 128
+MAX_STOP_TOKEN_IDS = 1024
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of child `index` of an n > 1 request: `seed + index`, wrapped around the seed range."""
+    return (seed + index - _SEED_MIN) % (_SEED_MAX - _SEED_MIN + 1) + _SEED_MIN
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -38,13 +48,17 @@ def _check_float(name: str, value: object) -> float:
     return float(value)
 
 
-def _check_int_list(name: str, value: object) -> list[int]:
+def _check_token_ids(name: str, value: object, limit: int) -> list[int]:
+    """A list of token ids, duplicates dropped (order kept), at most `limit` of them."""
     if not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a list of ints, got {type(value).__name__} {value!r:.80}")
     for token_id in value:
         if _check_int(f"{name} entry", token_id) < 0:
             raise ValueError(f"{name} entries must be >= 0, got {token_id}")
-    return list(value)
+    value = list(dict.fromkeys(value))
+    if len(value) > limit:
+        raise ValueError(f"{name} holds {len(value)} distinct ids, at most {limit} are allowed")
+    return value
 
 
 @dataclass
@@ -93,7 +107,8 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         self.stop = self._normalise_stop(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else _check_int_list("stop_token_ids", self.stop_token_ids)
+        self.stop_token_ids = ([] if self.stop_token_ids is None
+                               else _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
@@ -112,7 +127,9 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, (list, tuple)):
-            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r}")
+            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r:.80}")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
         for s in stop:
             if not isinstance(s, str):
                 raise TypeError(f"stop entries must be str, got {type(s).__name__} {s!r}")

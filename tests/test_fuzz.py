@@ -159,7 +159,10 @@ HOSTILE = [  # (id, path, JSON body or raw bytes, expected status)
     ("stop-token-id-2-to-70", "/v1/completions", OK | {"stop_token_ids": [2**70]}, 400),
     ("stop-token-id-outside-vocab", "/v1/completions", OK | {"stop_token_ids": [10**9]}, 400),
     ("detokenize-2-to-70", "/detokenize", {"tokens": [2**70]}, 400),
-    ("many-stop-strings", "/v1/completions", OK | {"stop": ["x" * 1000] * 500}, 200),
+    ("many-stop-strings", "/v1/completions", OK | {"stop": ["x" * 1000] * 128}, 200),
+    ("too-many-stop-strings", "/v1/completions", OK | {"stop": ["x" * 1000] * 129}, 400),
+    ("repeated-stop-token-ids", "/v1/completions", OK | {"n": 32, "stop_token_ids": [1] * 100_000}, 200),
+    ("too-many-stop-token-ids", "/v1/completions", OK | {"stop_token_ids": list(range(1025))}, 400),
 ]
 
 

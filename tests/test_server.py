@@ -374,6 +374,17 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
+    # Bounded per-token work (a client's long lists would slow every request in the batch).
+    ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(129)]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(1025))}, 400, "stop_token_ids"),
+    # Fields that would change the output but are not implemented: refused, not ignored.
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": 100}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "echo"),
     ("/tokenize", {}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/v1/nothing-here", {}, 404, None),
@@ -389,6 +400,34 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["param"] == param and error["code"] == status and error["message"]
     assert "Traceback" not in response.text
+
+
+def test_null_means_the_default(server):
+    """OpenAI's nullable fields: clients that send unset fields as null are served as if they left them out."""
+    nulls = {"n": None, "stream": None, "stop": None, "seed": None, "temperature": 0, "stream_options": None,
+             "logit_bias": None, "response_format": None, "tools": None, "tool_choice": None}
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None, "best_of": None,
+                                            "logprobs": None, "suffix": None}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": None}],
+                                                 "max_tokens": 2, "logprobs": None, "echo": None})):
+        response = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=30, json=body | nulls)
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 1
+    text_only = {"response_format": {"type": "text"}, "tool_choice": "none",
+                 "tools": [{"type": "function", "function": {"name": "f"}}]}
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30,
+                          json={"messages": CHAT, "max_tokens": 2} | text_only)
+    assert response.status_code == 200, response.text
+
+
+def test_client_leaving_mid_upload_is_not_an_error(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    time.sleep(0.5)
+    assert "Traceback" not in server.log() and "internal error" not in server.log()
 
 
 def test_auth_and_limits(server):

@@ -57,6 +57,8 @@ def test_queue_bound_then_sigterm_drain(model_path, smollm2_path, tmp_path):
         response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"})
         assert response.status_code == 503 and response.headers["Retry-After"] == "1"
         assert "waiting queue is full" in response.json()["error"]["message"]
+        never = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "n": 2})  # could never fit
+        assert never.status_code == 400 and "places in the waiting queue" in never.json()["error"]["message"]
 
         server.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()

@@ -27,6 +27,7 @@ import nanoinfer
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.distributed.channel import HEAD_BYTES, BroadcastChannel
 from nanoinfer.distributed.driver import WorkerDiedError
+from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.layers import embedding as embedding_module
 from nanoinfer.layers import linear as linear_module
 from nanoinfer.loader.weights import get_hf_config, load_model
@@ -171,7 +172,7 @@ def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
         assert not thread.is_alive(), "the engine hung after its worker died"
         assert len(errors) == 1 and isinstance(errors[0], WorkerDiedError), errors
         assert f"tensor-parallel worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(errors[0])
-        with pytest.raises(RuntimeError, match="stopped after an earlier error: tensor-parallel worker rank 1"):
+        with pytest.raises(EngineDeadError, match=r"after a step failed \(WorkerDiedError: tensor-parallel worker rank 1"):
             llm.engine.step()
     finally:
         llm.close()

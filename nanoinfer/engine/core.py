@@ -56,6 +56,10 @@ def _freeze_startup_heap() -> None:
         _heap_frozen = True
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (a step failed, it was closed, or its core process is gone): create a new one."""
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -98,6 +102,7 @@ class EngineCore:
         # workers get the sampled tokens on the device).
         self.async_scheduling = config.async_scheduling
         self.in_flight = None
+        self.error: str | None = None  # why this core cannot go on
 
     def limits(self) -> EngineLimits:
         """What the front end's admission checks need to know about this core."""
@@ -111,6 +116,7 @@ class EngineCore:
         return min(self.max_model_len, self.num_blocks * self.config.block_size)
 
     def add_request(self, request: Request) -> None:
+        self._check_alive()
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -121,18 +127,33 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch a step. With async scheduling the outputs returned
-        are the previous step's: its tokens are read back while this one runs."""
-        scheduler_output = self.scheduler.schedule()
-        future = (self.tp_driver or self.runner).execute_model(scheduler_output)
-        if self.async_scheduling:
-            future, self.in_flight = self.in_flight, future
-        outputs = self.scheduler.update_from_output(future.result()) if future is not None else []
-        if self.debug_checks:
-            self.scheduler.check_invariants()
+        are the previous step's: its tokens are read back while this one runs.
+
+        A step that raises (an out-of-memory error, Ctrl-C, a dead worker) leaves the core dead: its bookkeeping
+        had run ahead of the device (tokens counted as computed, prompt blocks cached before they were written),
+        so no later step could be trusted. Every later call raises EngineDeadError, as vLLM's does."""
+        self._check_alive()
+        try:
+            scheduler_output = self.scheduler.schedule()
+            future = (self.tp_driver or self.runner).execute_model(scheduler_output)
+            if self.async_scheduling:
+                future, self.in_flight = self.in_flight, future
+            outputs = self.scheduler.update_from_output(future.result()) if future is not None else []
+            if self.debug_checks:
+                self.scheduler.check_invariants()
+        except BaseException as e:
+            self.error = f"the engine stopped after a step failed ({type(e).__name__}: {e}); create a new engine"
+            raise
         return outputs
 
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(self.error)
+
     def close(self) -> None:
-        """Stop the tensor-parallel workers (also done when the core is garbage collected or at exit)."""
+        """Stop the tensor-parallel workers (also done when the core is garbage collected or at exit); the
+        core takes no more requests."""
+        self.error = self.error or "the engine was closed"
         if self.tp_driver is not None:
             self.tp_driver.close()
 

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 from nanoinfer.request import Request
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import SamplingParams, child_seed
 
 
 @dataclass
@@ -25,7 +25,11 @@ class EngineLimits:
     max_num_waiting: int | None = None
 
     def check_waiting_room(self, num_waiting: int, num_new: int) -> None:
-        """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full."""
+        """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full, and a request
+        that could never fit (ValueError; 400) at once."""
+        if self.max_num_waiting is not None and num_new > self.max_num_waiting:
+            raise ValueError(f"the request needs {num_new} places in the waiting queue (n x prompts), which holds "
+                             f"at most {self.max_num_waiting}")
         if self.max_num_waiting is not None and num_waiting + num_new > self.max_num_waiting:
             raise OverflowError(f"the waiting queue is full ({num_waiting} requests waiting, "
                                 f"at most {self.max_num_waiting})")
@@ -42,9 +46,16 @@ class InputProcessor:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, or give tokenizer=PATH")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid Unicode text: {e}") from None
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         elif isinstance(prompt, (list, tuple)) and set(map(type, prompt)) <= {int}:  # C loops: no bools, no floats
             token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            bad = next(t for t in prompt if type(t) is not int)
+            raise TypeError(f"token ids must be Python ints, got {type(bad).__name__} {bad!r}")
         else:
             raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
@@ -63,6 +74,8 @@ class InputProcessor:
             raise TypeError(f"priority must be an integer, got {priority!r}")
         if not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         bad = [t for t in params.stop_token_ids if t >= self.limits.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
@@ -71,7 +84,7 @@ class InputProcessor:
         arrival = time.monotonic()
         children = []
         for i in range(params.n):
-            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else child_seed(params.seed, i))
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
                                     self.limits.block_size, max_tokens, priority, cache_salt, arrival))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable, Mapping
 from typing import Iterator, Sequence
 
 import torch
@@ -14,8 +15,36 @@ from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import RequestOutput, RequestOutputKind
 from nanoinfer.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (either with an
+# optional "cache_salt").
+Prompt = str | list[int] | dict
 Message = dict[str, str]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache_salt) of a prompt in any of its forms."""
+    if not isinstance(prompt, Mapping):
+        return prompt, None
+    given = [key for key in _PROMPT_KEYS if key in prompt]
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
+    if len(given) != 1 or unknown:
+        raise ValueError(f"a dict prompt takes one of {list(_PROMPT_KEYS)} and optionally 'cache_salt', got "
+                         f"keys {sorted(prompt)}")
+    return prompt[given[0]], prompt.get("cache_salt")
+
+
+def _check_messages(messages: object) -> None:
+    """A conversation as chat templates expect it: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise TypeError(f"a conversation must be a non-empty list of messages ({{'role': ..., 'content': ...}}), "
+                        f"got {type(messages).__name__} {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"message {i} needs a string {key!r}, got {message.get(key)!r:.80}")
 
 
 def offline_max_num_batched_tokens(device: str = "auto") -> int:
@@ -42,6 +71,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        # Outputs per request of this LLM's unfinished calls: a step runs every request in the engine, so a call
+        # (a generate, or an open stream) finds its outputs here wherever they were stepped.
+        self._inbox: dict[str, list[RequestOutput]] = {}
+        self._ready: set[str] = set()  # the requests whose inbox entry holds outputs
 
     def close(self) -> None:
         """Stop tensor-parallel workers now (otherwise done at garbage collection or exit)."""
@@ -61,7 +94,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -72,51 +105,93 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(request_id, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY)
-        except Exception:
-            for request_id in ids:  # all or nothing: take back what was added
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(ids, use_tqdm)
+                self._inbox[request_id] = []
+                prompt, cache_salt = _unpack_prompt(prompt)
+                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt,
+                                        output_kind=RequestOutputKind.FINAL_ONLY)
+            return self._run(ids, use_tqdm)
+        finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
+            self._forget(ids)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, num_output_tokens = time.perf_counter(), 0
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
-                    num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    bar.update(1)
-                    bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
+        for out in self._outputs(ids):
+            results[out.request_id] = out
+            num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+            bar.update(1)
+            bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
         bar.close()
         return [results[i] for i in ids]
+
+    def _outputs(self, ids: Iterable[str]) -> Iterator[RequestOutput]:
+        """The outputs of requests `ids` (each with its inbox entry) as they come, until all have finished.
+        Per step it touches only the requests that got outputs (not every one of `ids`)."""
+        unfinished = set(ids)
+        while unfinished:
+            ready = self._ready & unfinished
+            if not ready:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(unfinished)} were aborted outside this call")
+                for out in self.engine.step():
+                    box = self._inbox.get(out.request_id)  # None: a request of the engine's own user
+                    if box is not None:
+                        box.append(out)
+                        self._ready.add(out.request_id)
+                continue
+            for request_id in ready:
+                self._ready.discard(request_id)
+                outs, self._inbox[request_id] = self._inbox[request_id], []
+                for out in outs:
+                    if out.finished:
+                        unfinished.discard(request_id)
+                    yield out
+
+    def _forget(self, ids: Iterable[str]) -> None:
+        """Abort what is unfinished of `ids` (their blocks go back) and drop their inbox entries."""
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            self._inbox.pop(request_id, None)
+            self._ready.discard(request_id)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        if isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
+            messages = [messages]
+        if not isinstance(messages, list):
+            raise TypeError(f"chat() takes a conversation (a list of {{'role': ..., 'content': ...}}) or a list of "
+                            f"them, got {type(messages).__name__}; for plain text use generate()")
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tokenize=True, return_dict=False))
+        _check_messages(messages)
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                           tokenize=True, return_dict=False))
+        except Exception as e:  # jinja raises many types for what a template cannot render
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text as it is produced (stop strings never leak)."""
-        request_id = str(next(self._ids))
-        self.engine.add_request(request_id, prompt, sampling_params, output_kind=RequestOutputKind.DELTA)
+        """Generate for one prompt, yielding text as it is produced (stop strings never leak). Streams may be
+        read interleaved with each other and with `generate`: each gets its own request's text."""
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
+            raise ValueError(f"stream() yields one completion's text, so n must be 1 (got {sampling_params.n}); "
+                             f"generate() returns n completions")
+        return self._stream(str(next(self._ids)), prompt, sampling_params)
+
+    def _stream(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None) -> Iterator[str]:
+        self._inbox[request_id] = []
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        if out.outputs[0].text:
-                            yield out.outputs[0].text
-                        if out.finished:
-                            return
+            prompt, cache_salt = _unpack_prompt(prompt)
+            self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt,
+                                    output_kind=RequestOutputKind.DELTA)
+            for out in self._outputs([request_id]):
+                if out.outputs[0].text:
+                    yield out.outputs[0].text
         finally:
-            self.engine.abort_request(request_id)
+            self._forget([request_id])

@@ -5,6 +5,7 @@ an `EngineCore`. `add_request` / `step` / `abort_request` is the interface the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 
@@ -51,14 +52,25 @@ class LLMEngine:
         self.limits = self.core.limits()
         self.input_processor = InputProcessor(self.tokenizer, self.limits)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._admissions = itertools.count()
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        params = params or SamplingParams()
+        """Admit a request under the caller's `request_id`. In the core it gets an id of its own (the caller's
+        plus an admission number), so that an id used again after an abort never receives tokens that the
+        earlier request's step, still in flight, sampled."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not isinstance(output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids, children = self.input_processor.process(request_id, prompt, params, priority, cache_salt)
+        if isinstance(params, SamplingParams):
+            params = dataclasses.replace(params)  # validated again (a field may have been set after construction)
+        params = params or SamplingParams()
+        prompt_ids, children = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params,
+                                                            priority, cache_salt)
         self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(children))
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
                                           params, [c.request_id for c in children], output_kind)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanoinfer.host_copy import to_device
@@ -136,16 +137,16 @@ def _min_tokens_mask(
     vocab_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rows: list[int] = []
-    cols: list[int] = []
-    for i, (p, output, stops) in enumerate(zip(params, output_token_ids, stop_token_ids)):
-        if len(output) >= p.min_tokens:
-            continue
-        for token_id in stops:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(f"stop token id {token_id} of row {i} is outside the vocabulary [0, {vocab_size})")
-            rows.append(i)
-            cols.append(token_id)
-    if not rows:
+    """(rows, cols) of the stop tokens masked for the rows below their min_tokens; built with C loops (a row
+    can hold up to MAX_STOP_TOKEN_IDS ids plus the end-of-sequence ones, every step it is under min_tokens)."""
+    masked = [(i, np.fromiter(stops, np.int64, len(stops)))
+              for i, (p, output, stops) in enumerate(zip(params, output_token_ids, stop_token_ids))
+              if len(output) < p.min_tokens and stops]
+    if not masked:
         return None
-    return to_device(torch.tensor(rows, dtype=torch.int64), device), to_device(torch.tensor(cols, dtype=torch.int64), device)
+    cols = np.concatenate([ids for _, ids in masked])
+    if cols.min() < 0 or cols.max() >= vocab_size:
+        bad = int(cols[(cols < 0) | (cols >= vocab_size)][0])
+        raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
+    rows = np.repeat([i for i, _ in masked], [len(ids) for _, ids in masked])
+    return to_device(torch.from_numpy(rows.astype(np.int64)), device), to_device(torch.from_numpy(cols), device)

@@ -18,12 +18,13 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from nanoinfer import __version__
 from nanoinfer.config import EngineConfig
-from nanoinfer.server.core_client import CoreClient, EngineDeadError
+from nanoinfer.engine.core import EngineDeadError
+from nanoinfer.server.core_client import CoreClient
 from nanoinfer.server.metrics import ServerMetrics
 from nanoinfer.server.openapi import document_api
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -90,10 +91,13 @@ async def read_json(raw: Request, limit: int) -> object:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in raw.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in raw.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # the client left mid-upload: nobody reads the answer, nothing to log
+        raise ApiError(400, "the client disconnected before sending the whole body") from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply

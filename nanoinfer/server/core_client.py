@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from nanoinfer.config import EngineConfig
+from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
@@ -27,10 +28,6 @@ from nanoinfer.server.metrics import ServerMetrics
 from nanoinfer.server.wire import MessageType, decode_outputs, encode_request, pack, unpack
 
 logger = logging.getLogger("nanoinfer")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone: nothing can be served until a restart."""
 
 
 class OutputStream:

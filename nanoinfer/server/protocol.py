@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from nanoinfer.sampling_params import SamplingParams
 
@@ -32,6 +32,12 @@ class _Body(BaseModel):
     # Unknown fields are ignored, as vLLM and OpenAI do. Known ones must have the type the schema says (as
     # OpenAI checks): no "5" or true for an integer (the API fuzzer's negative cases); an int is a float.
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: object) -> object:
+        """An explicit null means the field's default, as in OpenAI's schema (clients send unset fields so)."""
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Body):
@@ -68,6 +74,22 @@ class GenerationRequest(_Body):
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
+    # Declared to be refused, not ignored: each would change the output (check_supported).
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+    def check_supported(self) -> None:
+        """Refuse (400) fields whose meaning this server does not implement, instead of ignoring them."""
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ApiError(400, "only response_format {\"type\": \"text\"} is supported (no guided decoding)",
+                           "response_format")
+        if self.tools and self.tool_choice != "none":
+            raise ApiError(400, "tool calling is not supported: send tools only with tool_choice \"none\"",
+                           "tool_choice")
 
     @property
     def include_usage(self) -> bool:
@@ -92,6 +114,14 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix is not None:
+            raise ApiError(400, "suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, "best_of is not supported (it may only equal n)", "best_of")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (a string or token ids each)."""
@@ -138,6 +168,12 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ApiError(400, "echo is not supported for chat completions", "echo")
 
 
 class TokenizeRequest(_Body):

@@ -17,9 +17,10 @@ from typing import AsyncIterator, Callable, Iterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.outputs import CompletionOutput, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
-from nanoinfer.server.core_client import CoreClient, EngineDeadError, OutputStream
+from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, GenerationRequest, TokenizeRequest)
 
@@ -143,8 +144,7 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        if req.suffix is not None:
-            raise ApiError(400, "suffix is not supported", "suffix")
+        req.check_supported()
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
@@ -165,6 +165,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        req.check_supported()
         max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
         if req.top_logprobs is not None and not req.logprobs:

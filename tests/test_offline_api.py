@@ -1,0 +1,226 @@
+"""The offline API's contract beyond one generate call: streams read interleaved with each other and with
+generate each get their own text; vLLM's dict prompts; conversations checked before the chat template; a
+failed step or a closed engine is a clear error for every later call, never a hang; request ids of the
+in-process engine (reuse after an abort, a user id that looks like a child's)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from test_server import tiny_model_with_smollm2_vocab
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.engine.core import EngineDeadError
+from nanoinfer.sampling_params import child_seed
+
+PROMPTS = ["The weather today", "Once upon a time", "1, 2, 3,"]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory, smollm2_path) -> LLM:
+    return LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, num_kv_blocks=128)
+
+
+def assert_no_leak(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests() and not llm._inbox and not llm._ready
+    assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
+
+
+def alone(llm: LLM, prompt, params: SamplingParams) -> str:
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+# ----- streams and generate, interleaved -----
+
+
+def test_stream_read_around_a_generate_keeps_its_text(llm):
+    params = greedy(20)
+    expected = alone(llm, PROMPTS[0], params)
+    stream = llm.stream(PROMPTS[0], params)
+    first = next(stream)
+    others = llm.generate(PROMPTS[1:], greedy(8), use_tqdm=False)  # steps the open stream's request too
+    assert [o.outputs[0].text for o in others] == [alone(llm, p, greedy(8)) for p in PROMPTS[1:]]
+    assert first + "".join(stream) == expected
+    assert_no_leak(llm)
+
+
+def test_two_streams_read_in_turn_each_get_their_own_text(llm):
+    expected = [alone(llm, p, greedy(16)) for p in PROMPTS[:2]]
+    streams = [llm.stream(p, greedy(16)) for p in PROMPTS[:2]]
+    texts = ["", ""]
+    for pieces in itertools.zip_longest(*streams, fillvalue=""):
+        texts = [t + piece for t, piece in zip(texts, pieces)]
+    assert texts == expected
+    assert_no_leak(llm)
+
+
+def test_a_stream_closed_early_gives_its_blocks_back(llm):
+    stream = llm.stream(PROMPTS[0], greedy(50))
+    next(stream)
+    stream.close()
+    assert_no_leak(llm)
+
+
+def test_stream_takes_one_completion(llm):
+    with pytest.raises(ValueError, match="n must be 1"):
+        llm.stream(PROMPTS[0], SamplingParams(n=2))
+
+
+# ----- prompts and conversations -----
+
+
+def test_dict_prompts_as_vllm_takes_them(llm):
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    outs = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids, "cache_salt": "tenant"}, ids], greedy(8),
+                        use_tqdm=False)
+    assert len({o.outputs[0].text for o in outs}) == 1
+    assert llm.generate({"prompt": PROMPTS[1]}, greedy(4), use_tqdm=False)[0].prompt == PROMPTS[1]
+    for bad in ({"prompt_token_ids": ids, "prompt": "x"}, {"text": "x"}, {"prompt": "x", "multi_modal_data": {}}):
+        with pytest.raises(ValueError, match="a dict prompt takes one of"):
+            llm.generate([bad], greedy(4), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ([[1, 2]], TypeError, "token ids must be Python ints, got list"),
+    ("\ud800 lone surrogate", ValueError, "not valid Unicode"),
+])
+def test_prompt_errors_name_the_problem(llm, prompt, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate([prompt], greedy(4), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("messages, error, match", [
+    ("hi", TypeError, "for plain text use generate"),
+    (["hi"], TypeError, "a conversation must be a non-empty list"),
+    ([[]], TypeError, "a conversation must be a non-empty list"),
+    ([{"role": "user"}], ValueError, "message 0 needs a string 'content'"),
+    ([{"role": "user", "content": None}], ValueError, "message 0 needs a string 'content'"),
+    ([{"role": "user", "content": "hi"}, {"content": "x"}], ValueError, "message 1 needs a string 'role'"),
+    ([{"role": "user", "content": "hi"}, "x"], TypeError, "message 1 must be a dict"),
+])
+def test_malformed_conversations_are_named(llm, messages, error, match):
+    with pytest.raises(error, match=match):
+        llm.chat(messages, greedy(4), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+# ----- sampling params -----
+
+
+def test_params_changed_after_construction_are_validated_again(llm):
+    params = greedy(4)
+    params.n = 0
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    text = alone(llm, PROMPTS[0], greedy(30))
+    stop = text[10:12]
+    params = greedy(30)
+    params.stop = stop  # a str, normalised to one stop string (not its characters)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: text.index(stop)] and out.stop_reason == stop
+    assert_no_leak(llm)
+
+
+def test_child_seeds_wrap_around_the_seed_range(llm):
+    top = 2**64 - 1
+    assert child_seed(top, 0) == top and child_seed(top, 1) == -(2**63) and child_seed(5, 2) == 7
+    outs = llm.generate([PROMPTS[0]], SamplingParams(n=2, seed=top, max_tokens=4), use_tqdm=False)
+    assert len(outs[0].outputs) == 2
+    assert_no_leak(llm)
+
+
+# ----- the in-process engine's request ids -----
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(request_id=None), TypeError, "request_id must be a str"),
+    (dict(cache_salt=123), TypeError, "cache_salt must be a str"),
+    (dict(output_kind="delta"), TypeError, "output_kind must be a RequestOutputKind"),
+])
+def test_add_request_checks_its_arguments(llm, kwargs, error, match):
+    kwargs = {"request_id": "x", "prompt": [1, 2, 3], "params": greedy(4)} | kwargs
+    with pytest.raises(error, match=match):
+        llm.engine.add_request(**kwargs)
+    assert_no_leak(llm)
+
+
+def run_all(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_an_id_like_a_childs_is_its_own_request(llm):
+    engine = llm.engine
+    engine.add_request("a", [1, 2, 3], greedy(4, n=2))
+    engine.add_request("a#0", [4, 5, 6], greedy(4))
+    finals = run_all(engine)
+    assert len(finals["a"].outputs) == 2 and len(finals["a#0"].outputs) == 1
+    assert_no_leak(llm)
+
+
+def test_an_id_reused_after_an_abort_gets_only_its_own_tokens(tiny_models):
+    """With async scheduling the aborted request's last step is still in flight when the id comes back."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    expected = llm.generate([[7, 8, 9]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("x", [1, 2, 3, 4], greedy(50))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("x")
+    engine.add_request("x", [7, 8, 9], greedy(6))
+    assert run_all(engine)["x"].outputs[0].token_ids == expected
+    assert_no_leak(llm)
+
+
+# ----- a failed step, a closed engine -----
+
+
+def test_a_failed_step_leaves_a_dead_engine_not_a_hang(tiny_models, monkeypatch):
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64)
+    runner = llm.engine.core.runner
+    calls = itertools.count()
+    execute = runner.execute_model
+
+    def interrupted(scheduler_output):
+        if next(calls) == 3:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of a step
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]], greedy(20), use_tqdm=False)
+    for call in (lambda: llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False),
+                 lambda: list(llm.stream([1, 2, 3], greedy(4)))):
+        with pytest.raises(EngineDeadError, match="after a step failed \\(KeyboardInterrupt"):
+            call()
+
+
+def test_a_closed_engine_takes_no_requests(tiny_models):
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64)
+    assert llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+    with llm:
+        pass  # leaving the block closes it
+    with pytest.raises(EngineDeadError, match="closed"):
+        llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_copy_is_independent(llm):
+    """The running request keeps the params it was admitted with."""
+    params = greedy(8)
+    expected = alone(llm, PROMPTS[0], params)
+    stream = llm.stream(PROMPTS[0], params)
+    first = next(stream)
+    params.max_tokens = 1
+    assert first + "".join(stream) == expected
