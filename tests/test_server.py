@@ -364,6 +364,7 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 8}, 400, "max_tokens"),  # unset: the rest of the context
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404, "model"),

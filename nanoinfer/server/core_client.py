@@ -186,7 +186,7 @@ class CoreClient:
         for i, prompt in enumerate(prompts):
             admitted.append(self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt))
         children = [child for _, group in admitted for child in group]
-        self._check_output_tokens(sum(child.max_tokens for child in children))
+        self._check_output_tokens(sum(child.max_tokens for child in children), params.max_tokens is None)
         self.limits.check_waiting_room(len(self.waiting), len(children))
         try:  # before anything is registered, so a refused request leaves nothing behind
             frames = [pack(MessageType.ADD, encode_request(child)) for child in children]
@@ -205,9 +205,13 @@ class CoreClient:
             self._send_packed(frame)
         return outputs
 
-    def _check_output_tokens(self, total: int) -> None:
+    def _check_output_tokens(self, total: int, default_max_tokens: bool = False) -> None:
         limit = self.max_output_tokens_per_request
         if limit is not None and total > limit:
+            if default_max_tokens:
+                raise ValueError(f"max_tokens unset: each completion may run to the end of the context, and n x "
+                                 f"prompts of them come to {total} tokens, over this server's limit of {limit} "
+                                 f"output tokens per request; set max_tokens")
             raise ValueError(f"max_tokens x n x prompts = {total} tokens exceeds this server's limit of {limit} "
                              f"output tokens per request")
 
