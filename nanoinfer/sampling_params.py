@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 # under min_tokens, so an unbounded list from one client would slow every request in the batch.
 MAX_STOP_STRINGS = 128
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries, added to every step's logits (OpenAI takes up to 300)
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -80,6 +81,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-n logprobs per generated token
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit each step
 
     def __post_init__(self) -> None:
         if _check_int("n", self.n) < 1:
@@ -119,6 +121,24 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__} {bias!r:.80}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(bias)} entries, at most {MAX_LOGIT_BIAS} are allowed")
+        checked = {}
+        for token_id, value in bias.items():
+            if _check_int("logit_bias key", token_id) < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token_id}")
+            if not -100 <= _check_float("logit_bias value", value) <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token_id}")
+            checked[token_id] = float(value)
+        return checked or None
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:

@@ -74,6 +74,7 @@ def test_max_model_len_beyond_model(tiny_models) -> None:
     ([1] * 120, SamplingParams(max_tokens=20), ValueError, r"exceeds max_model_len \(128\)"),
     ([1] * 128, SamplingParams(max_tokens=None), ValueError, "at most 127"),
     ("hello", SamplingParams(), ValueError, "no tokenizer"),
+    ([1, 2], SamplingParams(logit_bias={9999: 1.0}), ValueError, "logit_bias entry 9999 is outside the vocabulary"),
 ])
 def test_bad_requests_rejected(llm: LLM, prompt, params, error, match) -> None:
     with pytest.raises(error, match=match):

@@ -248,6 +248,34 @@ def test_min_tokens_blocks_stop_tokens(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_moves_the_choice_not_the_logprobs(device):
+    logits = torch.zeros(3, 10, device=device)
+    logits[:, 2] = 5.0
+    params = [SamplingParams(temperature=0, logit_bias={2: -10.0, 6: 1.0}),  # 6 now leads (1 vs -5)
+              SamplingParams(temperature=1.0, logit_bias={8: 100.0}, logprobs=1),
+              SamplingParams(temperature=0)]
+    out = Sampler()(logits, build(params, 10, device))
+    assert out.sampled_token_ids.tolist() == [6, 8, 2]
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.allclose(out.logprobs.logprobs[1, 0], raw[1, 8])  # logprobs are the model's own
+    with pytest.raises(ValueError, match="logit_bias token id 10 is outside the vocabulary"):
+        build([SamplingParams(logit_bias={10: 1.0})], 10, device)
+
+
+@pytest.mark.parametrize("bias, error, match", [
+    ([1, 2], TypeError, "logit_bias must be a dict"),
+    ({"5": 1.0}, TypeError, "logit_bias key must be"),
+    ({-1: 1.0}, ValueError, "logit_bias keys must be token ids >= 0"),
+    ({5: 100.5}, ValueError, r"logit_bias values must be in \[-100, 100\]"),
+    ({5: float("nan")}, ValueError, "logit_bias value must be finite"),
+    (dict.fromkeys(range(1025), 1.0), ValueError, "at most 1024"),
+])
+def test_bad_logit_bias(bias, error, match):
+    with pytest.raises(error, match=match):
+        SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_are_raw_log_softmax(device):
     vocab = 64
     logits = torch.randn(4, vocab, generator=seeded(3)).to(device)

@@ -187,6 +187,19 @@ def test_completion_matches_offline(client, offline):
     assert out.usage.completion_tokens == 12 and out.usage.total_tokens == 12 + len(ref.prompt_token_ids)
 
 
+def test_logit_bias_matches_offline(client, offline):
+    prompt, bias = "The capital of France is", {"42": 100, "1000": -100}
+    ref = offline.generate(prompt, greedy(6, ignore_eos=True, logit_bias={int(k): v for k, v in bias.items()}),
+                           use_tqdm=False)[0].outputs[0]
+    assert ref.token_ids == [42] * 6
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, logit_bias=bias,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == ref.text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0.8, logit_bias=bias, logprobs=True)
+    assert [t.token for t in chat.choices[0].logprobs.content] == [offline.tokenizer.decode([42])] * 3
+
+
 def test_streaming_equals_non_streaming(client):
     kw = dict(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)
@@ -381,7 +394,10 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     # Fields that would change the output but are not implemented: refused, not ignored.
     ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": 100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"4200000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": "high"}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tool_choice"),

@@ -76,9 +76,10 @@ class InputProcessor:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        bad = [t for t in params.stop_token_ids if t >= self.limits.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in token_ids if t >= self.limits.vocab_size]
+            if bad:
+                raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
         token_ids = self.tokenize(prompt)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         arrival = time.monotonic()

@@ -38,6 +38,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # (rows, token ids) forced to -inf: stop tokens of rows below min_tokens.
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows, token ids, float32 biases) added to the logits: the rows' logit_bias.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # [B, L] int64 padded with vocab_size; rows without penalties are all padding.
     prompt_token_ids: torch.Tensor | None
     output_token_ids: torch.Tensor | None
@@ -112,6 +114,7 @@ class SamplingMetadata:
             min_p=used(min_ps, 0.0),
             generators={i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g},
             min_tokens_mask=_min_tokens_mask(params, output_token_ids, stop_token_ids, vocab_size, device),
+            logit_bias=_logit_bias(params, vocab_size, device),
             prompt_token_ids=tokens_of(prompt_token_ids, uses_rep),
             output_token_ids=tokens_of(output_token_ids, uses_output),
             repetition_penalties=used(rep, 1.0),
@@ -144,9 +147,25 @@ def _min_tokens_mask(
               if len(output) < p.min_tokens and stops]
     if not masked:
         return None
-    cols = np.concatenate([ids for _, ids in masked])
-    if cols.min() < 0 or cols.max() >= vocab_size:
-        bad = int(cols[(cols < 0) | (cols >= vocab_size)][0])
-        raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab_size})")
+    cols = _check_vocab(np.concatenate([ids for _, ids in masked]), vocab_size, "stop token id")
     rows = np.repeat([i for i, _ in masked], [len(ids) for _, ids in masked])
     return to_device(torch.from_numpy(rows.astype(np.int64)), device), to_device(torch.from_numpy(cols), device)
+
+
+def _logit_bias(params: list[SamplingParams], vocab_size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not biased:
+        return None
+    rows = np.repeat([i for i, _ in biased], [len(bias) for _, bias in biased]).astype(np.int64)
+    cols = _check_vocab(np.fromiter((t for _, bias in biased for t in bias), np.int64, len(rows)), vocab_size,
+                        "logit_bias token id")
+    values = np.fromiter((v for _, bias in biased for v in bias.values()), np.float32, len(rows))
+    return tuple(to_device(torch.from_numpy(a), device) for a in (rows, cols, values))
+
+
+def _check_vocab(token_ids: np.ndarray, vocab_size: int, what: str) -> np.ndarray:
+    if token_ids.min() < 0 or token_ids.max() >= vocab_size:
+        bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0])
+        raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab_size})")
+    return token_ids

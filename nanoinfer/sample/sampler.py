@@ -1,6 +1,6 @@
 """Turn one step's logits into next tokens (and logprobs), vectorised over the batch.
 
-Order, as in vLLM: min_tokens masking, repetition penalty, presence and
+Order, as in vLLM: logit_bias and min_tokens masking, repetition penalty, presence and
 frequency penalties; greedy rows then take the argmax; random rows divide by
 their temperature, apply top-k, top-p and min-p, and sample. Logprobs are
 those of the raw model logits (vLLM v1's default `raw_logprobs`).
@@ -56,15 +56,23 @@ class Sampler(nn.Module):
         # Greedy argmax and the CUDA sampling kernel read the model's dtype as it is; every other
         # step below computes in float32 (a no-op for float32 logits).
         if metadata.max_num_logprobs is not None or metadata.min_tokens_mask is not None \
-                or metadata.output_token_ids is not None:
+                or metadata.output_token_ids is not None or metadata.logit_bias is not None:
             logits = logits.float()
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        logits = apply_logit_bias(logits, metadata)
         logits = apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
         sampled = sample(logits, metadata)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None)
         return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs))
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.logit_bias is None:
+        return logits
+    rows, cols, values = metadata.logit_bias
+    return logits.index_put((rows, cols), values, accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -74,16 +74,14 @@ class GenerationRequest(_Body):
     priority: int = 0
     cache_salt: str | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
     # Declared to be refused, not ignored: each would change the output (check_supported).
-    logit_bias: dict | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
 
     def check_supported(self) -> None:
         """Refuse (400) fields whose meaning this server does not implement, instead of ignoring them."""
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise ApiError(400, "only response_format {\"type\": \"text\"} is supported (no guided decoding)",
                            "response_format")
@@ -101,6 +99,11 @@ class GenerationRequest(_Body):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+        if self.logit_bias:
+            bad = next((k for k in self.logit_bias if not (k.isascii() and k.isdigit() and len(k) <= 20)), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias keys must be token ids, got {bad!r:.40}")
+            given["logit_bias"] = {int(key): value for key, value in self.logit_bias.items()}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
 
 
