@@ -86,6 +86,14 @@ def test_dict_prompts_as_vllm_takes_them(llm):
     assert_no_leak(llm)
 
 
+def test_text_longer_than_the_context_can_spell_is_refused_before_tokenizing(llm):
+    bound = llm.engine.input_processor.max_prompt_chars
+    assert bound == llm.engine.limits.max_model_len * max(map(len, llm.tokenizer.get_vocab()))
+    with pytest.raises(ValueError, match=f"prompt is {bound + 1} characters long"):
+        llm.generate(["x" * (bound + 1)], greedy(4), use_tqdm=False)
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("prompt, error, match", [
     ([[1, 2]], TypeError, "token ids must be Python ints, got list"),
     ("\ud800 lone surrogate", ValueError, "not valid Unicode"),

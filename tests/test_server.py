@@ -419,6 +419,22 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert "Traceback" not in response.text
 
 
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/completions", {"prompt": "hi " * 15_000}, "prompt", "characters long"),
+    ("/tokenize", {"prompt": "hi " * 15_000}, "prompt", "characters long"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 15_000}]}, "messages",
+     "characters long"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 600}, "messages",
+     "600 messages cannot fit"),
+])
+def test_text_too_long_for_the_context_is_refused_before_tokenizing(server, path, body, param, words):
+    """45,000 characters cannot fit in 512 tokens of SmolLM2's (its longest token spells 81): refused before the
+    tokenizer or the chat template runs on the event loop (4 MB of text took ~5 s there, stalling every stream)."""
+    response = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=30, json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert words in response.json()["error"]["message"]
+
+
 def test_null_means_the_default(server):
     """OpenAI's nullable fields: clients that send unset fields as null are served as if they left them out."""
     nulls = {"n": None, "stream": None, "stop": None, "seed": None, "temperature": 0, "stream_options": None,

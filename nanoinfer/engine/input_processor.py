@@ -39,6 +39,17 @@ class InputProcessor:
     def __init__(self, tokenizer, limits: EngineLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        # No token of the vocabulary spells more characters than its own (byte-level or sentencepiece) string,
+        # so text longer than this cannot fit in max_model_len tokens: refused before the tokenizer spends
+        # seconds on it (4 MB of text: ~5 s, on the server's event loop).
+        self.max_prompt_chars = None if tokenizer is None else limits.max_model_len * max(
+            map(len, tokenizer.get_vocab()), default=1)
+
+    def check_prompt_chars(self, num_chars: int) -> None:
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            raise ValueError(f"prompt is {num_chars} characters long: more than max_model_len "
+                             f"({self.limits.max_model_len}) tokens can hold with this tokenizer "
+                             f"(at most {self.max_prompt_chars} characters)")
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -46,6 +57,7 @@ class InputProcessor:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, or give tokenizer=PATH")
+            self.check_prompt_chars(len(prompt))
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:

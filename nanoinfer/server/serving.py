@@ -194,9 +194,19 @@ class OpenAIServing:
             raise ApiError(400, "this model has no chat template", "messages")
         if not messages:
             raise ApiError(400, "messages is empty", "messages")
+        # Each message costs at least one token: a longer conversation, or more text than max_model_len tokens
+        # can hold, is refused before the template renders it on the event loop.
+        if len(messages) > self.client.limits.max_model_len:
+            raise ApiError(400, f"{len(messages)} messages cannot fit in max_model_len "
+                                f"({self.client.limits.max_model_len}) tokens", "messages")
+        rendered = [m.to_template() for m in messages]
+        try:
+            self.client.input_processor.check_prompt_chars(sum(len(m["content"]) for m in rendered))
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
         try:
             token_ids = self.tokenizer.apply_chat_template(
-                [m.to_template() for m in messages], add_generation_prompt=add_generation_prompt,
+                rendered, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=True, return_dict=False)
         except Exception as e:  # jinja and transformers raise many types for a conversation they reject
             raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
@@ -213,6 +223,10 @@ class OpenAIServing:
         elif self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", "prompt")
         else:
+            try:
+                self.client.input_processor.check_prompt_chars(len(req.prompt))
+            except ValueError as e:
+                raise ApiError(400, str(e), "prompt") from None
             token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         return {"count": len(token_ids), "max_model_len": self.client.limits.max_model_len, "tokens": token_ids}
 
