@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, TypeError, OSError, RuntimeError) as e:  # OSError: an unreadable file, among others
         print(f"nanoinfer: error: {e}", file=sys.stderr)
         return 2
 

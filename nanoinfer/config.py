@@ -4,6 +4,7 @@ the CLI (each field becomes a `--flag`) and the server."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,17 @@ class EngineConfig:
     max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):  # a pathlib.Path is a path too
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                if not isinstance(value, os.PathLike):
+                    raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__} {value!r}")
+                setattr(self, name, os.fspath(value))
+        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -55,8 +67,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -4,8 +4,11 @@ requests already in flight."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 
 import pytest
+import torch
 
 from nanoinfer import LLM, EngineConfig, SamplingParams
 
@@ -128,3 +131,84 @@ def test_generate_all_or_nothing(llm: LLM) -> None:
         llm.generate([[1, 2], []], SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
+
+
+# ----- model files and settings (a review of 2026-11-24: each of these failed deep inside, or silently) -----
+
+
+def copy_model(src: str, dst) -> str:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_unreadable_or_ambiguous_checkpoints_name_the_file(tmp_path, tiny_models) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    weights = f"{folder}/model.safetensors"
+    data = open(weights, "rb").read()
+    open(weights, "wb").write(data[: len(data) // 2])  # cut short
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(folder)
+    open(weights, "wb").write(data)
+    tensors = load_file(weights)
+    name = "model.norm.weight"
+    save_file({name: torch.zeros_like(tensors[name])}, f"{folder}/extra.safetensors")
+    save_file({k: v for k, v in tensors.items()}, f"{folder}/model-00001.safetensors")
+    os.remove(weights)  # the two files are now globbed; both hold model.norm.weight
+    with pytest.raises(ValueError, match="'model.norm.weight' is in two checkpoint files"):
+        LLM(folder)
+    for index in ("{not json", "[]", '{"weight_map": {"a": 3}}', "{}"):
+        open(f"{folder}/model.safetensors.index.json", "w").write(index)
+        with pytest.raises(ValueError, match="is not a valid shard index"):
+            LLM(folder)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3 must divide num_attention_heads=4"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps must be a positive number"),
+])
+def test_model_config_sizes_are_checked_first(tmp_path, tiny_models, changes, match) -> None:
+    config = json.loads(open(f"{tiny_models['llama']}/config.json").read())
+    assert config["num_attention_heads"] == 4
+    (tmp_path / "config.json").write_text(json.dumps(config | changes))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path / "config.json"), load_format="dummy")
+
+
+def test_generation_config_errors_name_the_file(tmp_path, tiny_models) -> None:
+    folder = copy_model(tiny_models["llama"], tmp_path / "m")
+    open(f"{folder}/generation_config.json", "w").write("{bad")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        LLM(folder)
+    open(f"{folder}/generation_config.json", "w").write('{"eos_token_id": ["a"]}')
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be a token id"):
+        LLM(folder)
+
+
+def test_settings_checked_at_construction(tmp_path, tiny_models) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer path '/nonexistent/tok' does not exist"):
+        LLM(tiny_models["llama"], tokenizer="/nonexistent/tok")
+    with pytest.raises(ValueError, match="smaller than one KV block"):
+        LLM(tiny_models["llama"], kv_cache_memory_bytes=1)
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA GPU"):
+        LLM(tiny_models["llama"], device="cpu", attention_backend="triton")
+    assert LLM(pathlib.Path(tiny_models["llama"]), num_kv_blocks=8).engine.config.model == tiny_models["llama"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(model=0), TypeError, "model must be a path"),
+    (dict(enforce_eager="false"), TypeError, "enforce_eager must be True or False"),
+    (dict(gpu_memory_utilization="0.5"), ValueError, "gpu_memory_utilization must be a number"),
+    (dict(gpu_memory_utilization=True), ValueError, "gpu_memory_utilization must be a number"),
+    (dict(seed=2**64), ValueError, "seed must be an integer"),
+    (dict(block_size=1 << 20), ValueError, "block_size must be at most 1024"),
+])
+def test_engine_argument_types(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        EngineConfig(**kwargs)

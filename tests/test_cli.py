@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -48,3 +50,27 @@ def test_bad_input_exits_with_message(tmp_path) -> None:
     assert proc.returncode == 2 and "max_tokens" in proc.stderr
     proc = run(["generate", "x", "--no-such-flag"])
     assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+    # A user mistake in the model's files is one line, not a traceback (and serve refuses a taken port before
+    # it loads the model).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run(["serve", str(tmp_path / "missing"), "--port", "0"])
+        assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+        proc = run(["serve", "--port", str(port), *SMALL])
+        assert proc.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+        assert "Traceback" not in proc.stderr and "KV cache" not in proc.stderr  # refused before the engine started
+
+
+def test_serve_reports_a_broken_checkpoint_in_one_line(tmp_path, tiny_models) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "missing_weight"
+    shutil.copytree(tiny_models["llama"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.endswith("layers.0.self_attn.q_proj.weight")},
+              folder / "model.safetensors")
+    proc = run(["serve", str(folder), "--port", "0", *SMALL])
+    assert proc.returncode == 2 and "missing weights" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -62,7 +62,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     Mistral's `consolidated.safetensors`, which holds the same weights under other names)."""
     index = folder / _SAFETENSORS_INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError("its weight_map values must be file names")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a valid shard index ({type(e).__name__}: {e}); it needs "
+                             f"{{\"weight_map\": {{tensor name: shard file name}}}}") from None
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shard files that are missing: {missing}")
@@ -128,15 +135,34 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
 def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any) -> None:
     files = _safetensors_files(folder)
     names_by_file: dict[Path, list[str]] = {}
+    where: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             names_by_file[file] = [n for n in f.keys() if not _is_ignored(n, hf_config)]
-    found = {n for names in names_by_file.values() for n in names}
-    targets = _match_names(model, found, f"checkpoint in {str(folder)!r}")
+        for name in names_by_file[file]:
+            if name in where:  # one would silently overwrite the other
+                raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
+            where[name] = file
+    targets = _match_names(model, set(where), f"checkpoint in {str(folder)!r}")
     for file, names in names_by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for name in names:
-                _load_tensor(targets, name, f.get_tensor(name))
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:  # safetensors' own error type: a file cut short, a corrupt offset
+                    raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from None
+                _load_tensor(targets, name, tensor)
+
+
+@contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """`safe_open`, its failures (a truncated or corrupt file, a folder in its place) as errors naming the file."""
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError (not a ValueError) or an OSError
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+    with handle as f:
+        yield f
 
 
 def _checkpoint_shapes(hf_config: Any) -> dict[str, torch.Size]:

@@ -7,6 +7,7 @@ it sampled for requests whose known tokens are all computed."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import numpy as np
@@ -45,6 +46,9 @@ class ModelRunner:
         backend = config.attention_backend
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
+        if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='triton' needs a CUDA GPU (or TRITON_INTERPRET=1, Triton's "
+                             "interpreter, as the tests use it on a CPU)")
         self.attn_backend = get_attention_backend(backend)
         torch.manual_seed(config.seed)
         set_fusion(device.type == "cuda" and not config.enforce_eager)
@@ -75,7 +79,10 @@ class ModelRunner:
         if self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
             return self._profile_gpu_kv_blocks()
         budget = self.config.kv_cache_memory_bytes or (1 << 30)
-        return max(1, budget // self.kv_block_bytes)
+        if budget < self.kv_block_bytes:
+            raise ValueError(f"kv_cache_memory_bytes={budget} is smaller than one KV block ({self.kv_block_bytes} "
+                             f"bytes at block_size={self.block_size})")
+        return budget // self.kv_block_bytes
 
     def _profile_gpu_kv_blocks(self) -> int:
         """Run a worst-case forward, then give the KV cache what is left of

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -225,8 +226,19 @@ async def _log_stats(metrics: ServerMetrics, interval: float) -> None:
             logger.info(line)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine starts: a taken port or a bad host fails at once, not after
+    the model has loaded."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e}") from None
+
+
 async def serve(config: EngineConfig, options: ServeOptions) -> None:
     """Start the engine core, then serve HTTP until a signal drains and stops the server."""
+    sock = _listen(options.host, options.port)
     metrics = ServerMetrics(options.served_model_names[0])
     client = CoreClient(config, metrics, options.max_output_tokens_per_request)
     stats_task = None
@@ -239,8 +251,9 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
         server = DrainingServer(uvicorn_config, lambda s: _drain(client, serving, s, options.shutdown_timeout))
         if options.log_stats_interval > 0:
             stats_task = asyncio.create_task(_log_stats(metrics, options.log_stats_interval))
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
+        sock.close()
         if stats_task is not None:
             stats_task.cancel()
         await client.shutdown()

@@ -136,7 +136,11 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     proc = EngineCoreProc(input_addr, output_addr)
     try:
-        proc.start(config, source)
+        try:
+            proc.start(config, source)
+        except (ValueError, TypeError, FileNotFoundError) as e:  # a bad model or setting: the user's, one line
+            proc.send_error(f"{type(e).__name__}: {e}")
+            sys.exit(1)
         proc.run()
     except Exception as e:
         logger.exception("the engine core failed")
