@@ -27,10 +27,12 @@ class EngineLimits:
     def check_waiting_room(self, num_waiting: int, num_new: int) -> None:
         """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full, and a request
         that could never fit (ValueError; 400) at once."""
-        if self.max_num_waiting is not None and num_new > self.max_num_waiting:
+        if self.max_num_waiting is None:
+            return
+        if num_new > self.max_num_waiting:
             raise ValueError(f"the request needs {num_new} places in the waiting queue (n x prompts), which holds "
                              f"at most {self.max_num_waiting}")
-        if self.max_num_waiting is not None and num_waiting + num_new > self.max_num_waiting:
+        if num_waiting + num_new > self.max_num_waiting:
             raise OverflowError(f"the waiting queue is full ({num_waiting} requests waiting, "
                                 f"at most {self.max_num_waiting})")
 

@@ -53,6 +53,8 @@ def _positive_int(hf_config, name: str, default=None) -> int:
 def check_model_config(hf_config) -> None:
     """The sizes every supported architecture reads, checked before anything is built from them (a zero or
     a mismatch would otherwise fail deep inside the model, or at the first step)."""
+    from nanoinfer.layers.rotary import get_rope_parameters
+
     for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
         _positive_int(hf_config, name)
     num_heads = hf_config.num_attention_heads
@@ -62,8 +64,6 @@ def check_model_config(hf_config) -> None:
                          f"num_attention_heads={num_heads}")
     if getattr(hf_config, "max_position_embeddings", None) is not None:
         _positive_int(hf_config, "max_position_embeddings")
-    from nanoinfer.layers.rotary import get_rope_parameters
-
     for name, value in (("rope_theta", get_rope_parameters(hf_config).get("rope_theta")),
                         ("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None))):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
@@ -79,7 +79,7 @@ def resolve_model(config: EngineConfig) -> ModelSource:
 
         model_path = default_model_path()
     else:
-        if not isinstance(config.model, str) or not os.path.exists(config.model):
+        if not os.path.exists(config.model):
             raise FileNotFoundError(f"model path {config.model!r} does not exist (models load from local folders, "
                                     f".gguf files, or a config.json with load_format='dummy')")
         if config.load_format == "gguf" and not config.model.endswith(".gguf"):

@@ -10,6 +10,7 @@ without logprobs).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,16 +141,14 @@ def _min_tokens_mask(
     vocab_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, cols) of the stop tokens masked for the rows below their min_tokens; built with C loops (a row
-    can hold up to MAX_STOP_TOKEN_IDS ids plus the end-of-sequence ones, every step it is under min_tokens)."""
-    masked = [(i, np.fromiter(stops, np.int64, len(stops)))
-              for i, (p, output, stops) in enumerate(zip(params, output_token_ids, stop_token_ids))
+    """(rows, cols) of the stop tokens masked for the rows below their min_tokens (a row can hold up to
+    MAX_STOP_TOKEN_IDS ids plus the end-of-sequence ones, every step it is under min_tokens)."""
+    masked = [(i, stops) for i, (p, output, stops) in enumerate(zip(params, output_token_ids, stop_token_ids))
               if len(output) < p.min_tokens and stops]
     if not masked:
         return None
-    cols = _check_vocab(np.concatenate([ids for _, ids in masked]), vocab_size, "stop token id")
-    rows = np.repeat([i for i, _ in masked], [len(ids) for _, ids in masked])
-    return to_device(torch.from_numpy(rows.astype(np.int64)), device), to_device(torch.from_numpy(cols), device)
+    rows, cols = _row_token_ids(masked, vocab_size, "stop token id")
+    return to_device(torch.from_numpy(rows), device), to_device(torch.from_numpy(cols), device)
 
 
 def _logit_bias(params: list[SamplingParams], vocab_size: int,
@@ -157,15 +156,18 @@ def _logit_bias(params: list[SamplingParams], vocab_size: int,
     biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
     if not biased:
         return None
-    rows = np.repeat([i for i, _ in biased], [len(bias) for _, bias in biased]).astype(np.int64)
-    cols = _check_vocab(np.fromiter((t for _, bias in biased for t in bias), np.int64, len(rows)), vocab_size,
-                        "logit_bias token id")
-    values = np.fromiter((v for _, bias in biased for v in bias.values()), np.float32, len(rows))
+    rows, cols = _row_token_ids(biased, vocab_size, "logit_bias token id")
+    values = np.concatenate([np.fromiter(bias.values(), np.float32, len(bias)) for _, bias in biased])
     return tuple(to_device(torch.from_numpy(a), device) for a in (rows, cols, values))
 
 
-def _check_vocab(token_ids: np.ndarray, vocab_size: int, what: str) -> np.ndarray:
-    if token_ids.min() < 0 or token_ids.max() >= vocab_size:
-        bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0])
+def _row_token_ids(per_row: list[tuple[int, Collection[int]]], vocab_size: int,
+                   what: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, token ids) as int64 arrays, flattened from (row, its token ids) pairs with C loops (a row may hold
+    over a thousand ids, every step), checked against the vocabulary."""
+    rows = np.repeat([i for i, _ in per_row], [len(ids) for _, ids in per_row]).astype(np.int64)
+    cols = np.concatenate([np.fromiter(ids, np.int64, len(ids)) for _, ids in per_row])
+    if cols.min() < 0 or cols.max() >= vocab_size:
+        bad = int(cols[(cols < 0) | (cols >= vocab_size)][0])
         raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab_size})")
-    return token_ids
+    return rows, cols
