@@ -160,6 +160,10 @@ def test_unreadable_or_ambiguous_checkpoints_name_the_file(tmp_path, tiny_models
     os.remove(weights)  # the two files are now globbed; both hold model.norm.weight
     with pytest.raises(ValueError, match="'model.norm.weight' is in two checkpoint files"):
         LLM(folder)
+    os.remove(f"{folder}/extra.safetensors")
+    save_file({**tensors, name: tensors[name].to(torch.int32)}, f"{folder}/model-00001.safetensors")
+    with pytest.raises(ValueError, match="'model.norm.weight' is torch.int32: weights must be floating point"):
+        LLM(folder)
     for index in ("{not json", "[]", '{"weight_map": {"a": 3}}', "{}"):
         open(f"{folder}/model.safetensors.index.json", "w").write(index)
         with pytest.raises(ValueError, match="is not a valid shard index"):

@@ -74,3 +74,25 @@ def test_serve_reports_a_broken_checkpoint_in_one_line(tmp_path, tiny_models) ->
     proc = run(["serve", str(folder), "--port", "0", *SMALL])
     assert proc.returncode == 2 and "missing weights" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_serve_options_refuse_nonsense() -> None:
+    import pytest
+
+    from nanoinfer.server.api_server import ServeOptions
+
+    for bad, words in (({"shutdown_timeout": float("nan")}, "shutdown_timeout"),
+                       ({"log_stats_interval": float("inf")}, "log_stats_interval"),
+                       ({"log_stats_interval": -1.0}, "log_stats_interval"),
+                       ({"api_key": ""}, "api_key is empty"),
+                       ({"served_model_names": ("",)}, "non-empty"),
+                       ({"served_model_names": ("a", "a")}, "distinct"),
+                       ({"port": 70000}, "port")):
+        with pytest.raises(ValueError, match=words):
+            ServeOptions(**bad)
+    ServeOptions(shutdown_timeout=float("inf"), served_model_names=("a", "b"))  # wait forever: allowed
+    # On the command line the same mistakes are one line, before any model is loaded.
+    proc = run(["serve", "--shutdown-timeout", "nan", "--port", "0"])
+    assert proc.returncode == 2 and "shutdown_timeout" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run(["serve", "--served-model-name", "", "--port", "0"])
+    assert proc.returncode == 2 and "served_model_names" in proc.stderr

@@ -122,6 +122,9 @@ def _match_names(model: nn.Module, found: set[str], source: str) -> dict[str, tu
 def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded: torch.Tensor) -> None:
     """Copy this rank's shard of the full checkpoint tensor `name` into its parameter."""
     param, shard_id = targets[name]
+    if not loaded.dtype.is_floating_point:  # an integer copy would load silently as garbage
+        raise ValueError(f"checkpoint tensor {name!r} is {loaded.dtype}: weights must be floating point "
+                         f"(quantized checkpoints are not supported)")
     weight_loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         weight_loader(param, loaded, shard_id)

@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -58,10 +59,15 @@ class ServeOptions:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
         if self.max_output_tokens_per_request is not None and self.max_output_tokens_per_request < 1:
             raise ValueError(f"max_output_tokens_per_request must be >= 1, got {self.max_output_tokens_per_request}")
-        if self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if not self.served_model_names:
-            raise ValueError("served_model_names is empty")
+        if not self.shutdown_timeout >= 0:  # also refuses NaN
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        if not 0 <= self.log_stats_interval < math.inf:
+            raise ValueError(f"log_stats_interval must be finite and >= 0 seconds (0 = off), got {self.log_stats_interval}")
+        if self.api_key == "":
+            raise ValueError("api_key is empty: omit it to serve without a key")
+        names = self.served_model_names
+        if not names or not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"served_model_names must be distinct non-empty names, got {list(names)}")
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -16,9 +16,9 @@ def add_serve_parser(subparsers) -> None:
                              "SmolLM2-135M-Instruct")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument("--api-key", default=os.environ.get("NANOINFER_API_KEY"),
+    parser.add_argument("--api-key", default=os.environ.get("NANOINFER_API_KEY") or None,
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health "
-                             "(default: $NANOINFER_API_KEY, else none)")
+                             "(default: $NANOINFER_API_KEY if set and not empty, else none)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use for the model; the first appears in responses "
                              "(default: the model argument)")
@@ -44,7 +44,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nanoinfer.loader.default_model import DEFAULT_MODEL_NAME
     from nanoinfer.server.api_server import ServeOptions, run_server
 
-    config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
     options = ServeOptions(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
@@ -52,5 +51,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_output_tokens_per_request=args.max_output_tokens_per_request,
         shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
         access_log=args.access_log, metrics_without_auth=args.metrics_without_auth, log_prompts=args.log_prompts)
+    config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
     run_server(config, options)
     return 0
