@@ -13,6 +13,7 @@ import httpx
 import psutil
 import pytest
 
+from conftest import make_tiny_model
 from test_server import launch_server, metric_values, tiny_model_with_smollm2_vocab, wait_for
 
 LONG = {"prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
@@ -23,17 +24,24 @@ def model_path(tmp_path_factory) -> str:
     return tiny_model_with_smollm2_vocab(tmp_path_factory)
 
 
-def stream_events(url: str, body: dict, events: list, first_event: threading.Event) -> threading.Thread:
-    """Stream a completion in a thread, appending each decoded event ("[DONE]" kept as is)."""
+def stream_events(url: str, body: dict, events: list, first_event: threading.Event,
+                  arrivals: list | None = None) -> threading.Thread:
+    """Stream a completion in a thread, appending each decoded event ("[DONE]" kept as is) and, to `arrivals`,
+    the time it came."""
 
     def run() -> None:
-        with httpx.Client(timeout=120) as http:
-            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        data = line[len("data: "):]
-                        events.append(data if data == "[DONE]" else json.loads(data))
-                        first_event.set()
+        try:
+            with httpx.Client(timeout=120) as http:
+                with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            data = line[len("data: "):]
+                            events.append(data if data == "[DONE]" else json.loads(data))
+                            if arrivals is not None:
+                                arrivals.append(time.monotonic())
+                            first_event.set()
+        except httpx.RemoteProtocolError:  # the server stopped mid-stream; the events so far say what happened
+            pass
         first_event.set()
 
     thread = threading.Thread(target=run, daemon=True)
@@ -96,6 +104,33 @@ def test_core_death_fails_fast(model_path, smollm2_path, tmp_path):
         assert response.status_code == 503 and time.monotonic() - start < 2
         assert response.json()["error"]["code"] == 503
         assert server.stop(30) == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm2_path, tmp_path):
+    """Text is tokenized in a worker thread (the tokenizer releases the GIL): a prompt of megabytes, which takes
+    the tokenizer a second or more, does not stall the streams in flight."""
+    model = make_tiny_model(str(tmp_path / "long_context"), "llama", vocab_size=49152, max_position_embeddings=1 << 16)
+    server = launch_server(str(tmp_path / "server.log"), model, "--tokenizer", smollm2_path,
+                           "--max-request-body-bytes", str(8 << 20), "--shutdown-timeout", "1")
+    try:
+        events, arrivals, started = [], [], threading.Event()
+        thread = stream_events(server.url, {**LONG, "max_tokens": 20_000}, events, started, arrivals)
+        assert started.wait(60)
+        start = time.monotonic()
+        big = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                         json={"prompt": "Tell me a long story about the sea. " * 60_000, "max_tokens": 1})
+        end = time.monotonic()
+        # Tokenized in full, then refused: more tokens than the 16 MB KV cache holds.
+        assert big.status_code == 400 and "KV cache" in big.json()["error"]["message"], big.text
+        assert end - start > 0.4, "the prompt tokenized too fast to show a stall"
+        during = [t for t in arrivals if start <= t <= end]
+        gaps = [b - a for a, b in zip([start, *during], [*during, end])]
+        assert len(during) >= 5 and max(gaps) < 0.3 * (end - start), (end - start, len(during), max(gaps))
+        assert server.stop(30) == 0, server.log()
+        thread.join(30)
     finally:
         if server.proc.poll() is None:
             server.proc.kill()

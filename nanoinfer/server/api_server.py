@@ -169,7 +169,7 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:
-        return serving.tokenize(parse_body(TokenizeRequest, await read_json(raw, limit)))
+        return await serving.tokenize(parse_body(TokenizeRequest, await read_json(raw, limit)))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
@@ -247,7 +247,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
     sock = _listen(options.host, options.port)
     metrics = ServerMetrics(options.served_model_names[0])
     client = CoreClient(config, metrics, options.max_output_tokens_per_request)
-    stats_task = None
+    stats_task = serving = None
     try:
         await client.start()
         serving = OpenAIServing(client, list(options.served_model_names), options.log_prompts)
@@ -262,6 +262,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
         sock.close()
         if stats_task is not None:
             stats_task.cancel()
+        if serving is not None:
+            serving.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         await client.shutdown()
     logger.info("server stopped")
 

@@ -1,6 +1,7 @@
 """The API process's side of the engine core: spawns the core process, admits
-requests (validation, tokenization, `n` fan-out, queue bound) and ships them
-over ZeroMQ, and turns the core's output batches into per-request streams
+requests (validation, tokenization and `n` fan-out in `admit`, which the server
+runs off the event loop; the queue bound in `register`) and ships them over
+ZeroMQ, and turns the core's output batches into per-request streams
 (incremental detokenization, stop strings) on the event loop."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput, RequestOutputKind
-from nanoinfer.request import RequestStatus
+from nanoinfer.request import Request, RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_process import run_engine_core
 from nanoinfer.server.metrics import ServerMetrics
@@ -172,21 +173,26 @@ class CoreClient:
 
     # ----- requests in -----
 
-    def generate(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0,
-                 cache_salt: str | None = None, stream: bool = False) -> OutputStream:
-        """Admit one API call's prompts (all or none); request i is `{request_id}-{i}`. A
-        `stream` gets deltas as tokens arrive, otherwise one final output per prompt.
-
-        Raises ValueError / TypeError for bad input, OverflowError when the
-        waiting queue is full, EngineDeadError when the core is gone."""
-        self.check_alive()
+    def admit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0,
+              cache_salt: str | None = None) -> list[tuple[list[int], list[Request]]]:
+        """Validate and tokenize one API call's prompts (request i is `{request_id}-{i}`): each prompt's token
+        ids and its child requests. Reads the tokenizer and the limits only, so the server runs it in its
+        tokenizer thread. Raises ValueError / TypeError for bad input."""
         # Bound the fan-out before any work per prompt or child: each child asks for at least one token.
         self._check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
-        admitted = []
-        for i, prompt in enumerate(prompts):
-            admitted.append(self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt))
+        admitted = [self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt)
+                    for i, prompt in enumerate(prompts)]
+        self._check_output_tokens(sum(child.max_tokens for _, group in admitted for child in group),
+                                  params.max_tokens is None)
+        return admitted
+
+    def register(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
+                 admitted: list[tuple[list[int], list[Request]]], stream: bool = False) -> OutputStream:
+        """Send `admit`'s requests to the core, all or none. A `stream` gets deltas as tokens arrive, otherwise
+        one final output per prompt. Raises OverflowError when the waiting queue is full, EngineDeadError when
+        the core is gone."""
+        self.check_alive()
         children = [child for _, group in admitted for child in group]
-        self._check_output_tokens(sum(child.max_tokens for child in children), params.max_tokens is None)
         self.limits.check_waiting_room(len(self.waiting), len(children))
         try:  # before anything is registered, so a refused request leaves nothing behind
             frames = [pack(MessageType.ADD, encode_request(child)) for child in children]

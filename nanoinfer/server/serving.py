@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
@@ -135,6 +137,13 @@ class OpenAIServing:
         self.log_prompts = log_prompts
         self.tokenizer = client.tokenizer
         self.accepting = True  # False while draining for shutdown
+        # Chat templates and text -> token ids run here, one request at a time in arrival order, not on the event
+        # loop: the tokenizer releases the GIL, so streams in flight keep their pace while a long prompt encodes
+        # (2 MB of text: ~1.5 s on a CPU core, during which every stream stood still).
+        self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def _off_loop(self, fn: Callable, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -149,7 +158,7 @@ class OpenAIServing:
             raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = self._generate(request_id, req.prompts(), params, req, {})
+        stream = await self._generate(request_id, req.prompts, params, req, {})
 
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
@@ -172,9 +181,10 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, renames)
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = self._generate(request_id, [prompt], params, req, renames)
+        stream = await self._generate(request_id, lambda: [self.chat_prompt(req.messages, req.add_generation_prompt,
+                                                                            req.continue_final_message)],
+                                      params, req, renames)
 
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
@@ -214,12 +224,16 @@ class OpenAIServing:
 
     # ----- /tokenize, /detokenize -----
 
-    def tokenize(self, req: TokenizeRequest) -> dict:
+    async def tokenize(self, req: TokenizeRequest) -> dict:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
+        token_ids = await self._off_loop(self._token_ids, req)
+        return {"count": len(token_ids), "max_model_len": self.client.limits.max_model_len, "tokens": token_ids}
+
+    def _token_ids(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            token_ids = self.chat_prompt(req.messages, req.add_generation_prompt)
+            return self.chat_prompt(req.messages, req.add_generation_prompt)
         elif self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", "prompt")
         else:
@@ -227,8 +241,7 @@ class OpenAIServing:
                 self.client.input_processor.check_prompt_chars(len(req.prompt))
             except ValueError as e:
                 raise ApiError(400, str(e), "prompt") from None
-            token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(token_ids), "max_model_len": self.client.limits.max_model_len, "tokens": token_ids}
+            return self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     def detokenize(self, req: DetokenizeRequest) -> dict:
         self.check_model(req.model)
@@ -251,16 +264,28 @@ class OpenAIServing:
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
 
-    def _generate(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, req: GenerationRequest,
-                  renames: dict[str, str]) -> OutputStream:
+    async def _generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
+                        params: SamplingParams, req: GenerationRequest, renames: dict[str, str]) -> OutputStream:
+        """Admit the request: its prompts are made (a chat template rendered) and tokenized in the tokenizer
+        thread, then registered with the core on the event loop."""
         if not self.accepting:
             raise ApiError(503, "the server is shutting down")
-        if self.log_prompts:
-            texts = [p if isinstance(p, str) or self.tokenizer is None else self.tokenizer.decode(p) for p in prompts]
-            logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r", request_id, texts, params,
-                        req.priority, req.cache_salt)
+        self.client.check_alive()  # fail fast, before the tokenizer works for nothing
+
+        def admit() -> tuple[list[str | list[int]], list]:
+            prompts = make_prompts()
+            return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt)
+
         try:
-            return self.client.generate(request_id, prompts, params, req.priority, req.cache_salt, req.stream)
+            prompts, admitted = await self._off_loop(admit)
+            if not self.accepting:  # the drain began while the prompt was tokenized
+                raise ApiError(503, "the server is shutting down")
+            if self.log_prompts:
+                texts = [p if isinstance(p, str) or self.tokenizer is None else self.tokenizer.decode(p)
+                         for p in prompts]
+                logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r", request_id, texts, params,
+                            req.priority, req.cache_salt)
+            return self.client.register(request_id, prompts, params, admitted, req.stream)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
         except OverflowError as e:
