@@ -12,6 +12,7 @@ import time
 import httpx
 import psutil
 import pytest
+from transformers import AutoTokenizer
 
 from conftest import make_tiny_model
 from test_server import launch_server, metric_values, tiny_model_with_smollm2_vocab, wait_for
@@ -129,6 +130,13 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm2_path, tmp_path):
         during = [t for t in arrivals if start <= t <= end]
         gaps = [b - a for a, b in zip([start, *during], [*during, end])]
         assert len(during) >= 5 and max(gaps) < 0.3 * (end - start), (end - start, len(during), max(gaps))
+        # The other large-body paths through the thread: /tokenize and a chat template.
+        text = "The sea was calm that night. " * 1000  # 29 KB: past the 16 KB tokenized on the event loop
+        counted = httpx.post(f"{server.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+        assert counted["tokens"] == AutoTokenizer.from_pretrained(smollm2_path).encode(text, add_special_tokens=False)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": text}], "max_tokens": 2})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > counted["count"], chat.text
         assert server.stop(30) == 0, server.log()
         thread.join(30)
     finally:

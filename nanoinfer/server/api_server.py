@@ -105,6 +105,7 @@ async def read_json(raw: Request, limit: int) -> object:
                 raise too_large
     except ClientDisconnect:  # the client left mid-upload: nobody reads the answer, nothing to log
         raise ApiError(400, "the client disconnected before sending the whole body") from None
+    raw.state.body_size = len(body)  # large bodies are tokenized off the event loop (OpenAIServing._tokenizing)
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
@@ -169,7 +170,7 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:
-        return await serving.tokenize(parse_body(TokenizeRequest, await read_json(raw, limit)))
+        return await serving.tokenize(parse_body(TokenizeRequest, await read_json(raw, limit)), raw)
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
