@@ -140,6 +140,10 @@ class OpenAIServing:
         self.accepting = True  # False while draining for shutdown
         # Large requests are tokenized here (`_tokenizing`), one at a time in arrival order.
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        if self.tokenizer is not None:
+            # transformers clears a tokenizer.json's truncation / padding on the first encode: a write that would
+            # race with the event loop's decodes ("Already borrowed") if it first happened in the thread.
+            self.tokenizer.encode("warm-up")
 
     async def _tokenizing(self, raw: Request, fn: Callable, *args):
         """fn(*args), which tokenizes (or renders a chat template), where it cannot stall the streams in flight:
