@@ -33,6 +33,8 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprobs | None]
     # Requests whose sampling raised, with why: they end with finish_reason "error", the rest go on.
     errors: dict[str, str] = field(default_factory=dict)
+    # Requests with prompt_logprobs whose prompt this step computed: (first position, its entries on).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the request's first output only
 
     @property
     def finished(self) -> bool:
@@ -70,6 +73,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt position {token_id: logprob} for the prompt's own token
+    # and the top-n (None at position 0). A DELTA output carries them once, in the first output that has them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later DELTA output of this request into this one, so that a reader who fell
@@ -86,3 +92,4 @@ class RequestOutput:
                 merged.logprobs = (merged.logprobs or []) + c.logprobs
             merged.finish_reason, merged.stop_reason = c.finish_reason, c.stop_reason
         self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs

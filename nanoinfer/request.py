@@ -10,6 +10,7 @@ import enum
 import time
 
 from nanoinfer.kv_cache.hashing import extend_block_hashes
+from nanoinfer.outputs import TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
 
 
@@ -67,6 +68,20 @@ class Request:
         self.block_size = block_size
         self.block_hashes: list[int] = []
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        # The prompt's logprobs as the runner computes them, chunk by chunk (position 0 has none); they leave with
+        # the request's first output. A recompute after preemption writes the same values again.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs, once (for the request's first output); None after, or if not asked for."""
+        logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return logprobs
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so such a request reads no cached block."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

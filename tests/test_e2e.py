@@ -304,3 +304,65 @@ def test_dropped_engines_are_freed(smollm2_path) -> None:
     del first, second
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+# ----- prompt logprobs -----
+
+
+def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, vocab]: row i is the distribution of token i + 1 given tokens 0..i (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+
+
+def _check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, top_n: int, tol: float = 1e-4) -> None:
+    assert len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:]):
+        assert entry[ids[i + 1]] == pytest.approx(ref[i, ids[i + 1]].item(), abs=tol)  # the prompt's own token
+        top = sorted(entry.values(), reverse=True)[:top_n]
+        assert top == pytest.approx(ref[i].topk(top_n).values.tolist(), abs=tol)
+        assert top_n <= len(entry) <= top_n + 1
+
+
+def test_smollm2_prompt_logprobs_match_transformers(smol: LLM, smollm2_path: str) -> None:
+    out = smol.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5), use_tqdm=False)[0]
+    _check_prompt_logprobs(out.prompt_logprobs, out.prompt_token_ids,
+                           _hf_prompt_logprobs(smollm2_path, out.prompt_token_ids), 5)
+
+
+def test_prompt_logprobs_survive_chunks_cached_prefixes_preemption_and_n(tiny_models) -> None:
+    """Each prompt position once, whatever computes it: prefill cut into chunks, a prompt whose blocks are cached
+    (a prompt_logprobs request reads none of them, so every position is computed), recompute after preemption, n."""
+    from nanoinfer.outputs import RequestOutputKind
+
+    path = tiny_models["llama"]
+    prompts = _tiny_prompts()
+    refs = [_hf_prompt_logprobs(path, p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=2)
+
+    chunked = LLM(path, max_num_batched_tokens=7, kv_cache_memory_bytes=SMALL_KV, block_size=4)
+    chunked.generate(prompts, greedy(4), use_tqdm=False)  # every prompt's blocks are cached now
+    for out, ids, ref in zip(chunked.generate(prompts, params, use_tqdm=False), prompts, refs):
+        _check_prompt_logprobs(out.prompt_logprobs, ids, ref, 2)
+        assert out.num_cached_tokens == 0
+    n2 = chunked.generate(prompts[0], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=4, prompt_logprobs=0),
+                          use_tqdm=False)[0]
+    _check_prompt_logprobs(n2.prompt_logprobs, prompts[0], refs[0], 0)
+
+    preempting = LLM(path, num_kv_blocks=24, block_size=4)
+    for out, ids, ref in zip(preempting.generate(prompts, params, use_tqdm=False), prompts, refs):
+        _check_prompt_logprobs(out.prompt_logprobs, ids, ref, 2)
+    scheduler = preempting.engine.core.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.kv_cache_manager.num_free_blocks == 24
+
+    # A DELTA stream carries them once, in its first output.
+    engine = chunked.engine
+    engine.add_request("delta", prompts[1], params, output_kind=RequestOutputKind.DELTA)
+    carried = []
+    while engine.has_unfinished_requests():
+        carried += [o.prompt_logprobs for o in engine.step() if o.request_id == "delta"]
+    assert carried[0] is not None and all(p is None for p in carried[1:])
+    _check_prompt_logprobs(carried[0], prompts[1], refs[1], 2)

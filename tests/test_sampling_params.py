@@ -73,6 +73,9 @@ def test_is_greedy(temperature, greedy):
         ("logprobs", -1, ValueError),
         ("logprobs", 21, ValueError),
         ("logprobs", 2.0, TypeError),
+        ("prompt_logprobs", -1, ValueError),
+        ("prompt_logprobs", 21, ValueError),
+        ("prompt_logprobs", True, TypeError),
     ],
 )
 def test_bad_values_name_the_field(field, value, error):
@@ -89,7 +92,7 @@ def test_min_tokens_above_max_tokens():
 def test_edges_accepted():
     SamplingParams(temperature=0, top_p=1.0, top_k=1, min_p=1.0, presence_penalty=-2, frequency_penalty=2,
                    repetition_penalty=0.01, logprobs=0, seed=-(2**63))
-    SamplingParams(logprobs=20, seed=2**64 - 1, min_p=0.0)
+    SamplingParams(logprobs=20, prompt_logprobs=0, seed=2**64 - 1, min_p=0.0)
 
 
 def test_module_does_not_load_torch():

@@ -298,6 +298,31 @@ def test_logprobs(client):
         assert bytes(c.bytes).decode() == c.token
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    """As an evaluation harness scores text (lm-eval's loglikelihood): echo + logprobs give the prompt's tokens
+    their logprobs too, the first one null, streamed or not."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ref = offline.generate(prompt, greedy(2, ignore_eos=True, logprobs=1, prompt_logprobs=1), use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    kw = dict(model="tiny", prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    out = client.completions.create(**kw).choices[0]
+    streamed = list(client.completions.create(stream=True, **kw))
+    for lp, text in ((out.logprobs, out.text), (streamed[0].choices[0].logprobs, None)):
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.tokens[: len(ids)] == [offline.tokenizer.decode([t]) for t in ids]
+        for i in range(1, len(ids)):
+            assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][ids[i]], abs=1e-5)
+            assert 1 <= len(lp.top_logprobs[i]) <= 2
+        assert lp.text_offset[: len(ids)] == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+        if text is not None:  # the whole response: the prompt's tokens, then the completion's
+            assert out.text == prompt + ref.outputs[0].text and len(lp.tokens) == len(ids) + 2
+            assert lp.token_logprobs[len(ids):] == pytest.approx([d[t] for d, t in zip(ref.outputs[0].logprobs,
+                                                                                      ref.outputs[0].token_ids)])
+            assert lp.text_offset[len(ids)] == len(prompt)
+    assert "".join(c.choices[0].text for c in streamed) == out.text
+
+
 def test_64_concurrent_streams_match_offline(server, offline):
     prompts = [f"Request number {i} says:" + " word" * (i % 7) for i in range(64)]
     refs = [o.outputs[0].text for o in offline.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)]

@@ -49,11 +49,15 @@ def tiny_prompts() -> list[list[int]]:
 PRESSURE = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
 
 
-def run_tiny(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
+def run_tiny(llm: LLM) -> tuple[list[list[int]], list[list[float]], list[list[float]]]:
+    """Greedy tokens and their logprobs; then two prompts' own logprobs (prompt_logprobs: the LM head on every
+    prompt position, gathered across the ranks)."""
     outs = llm.generate(tiny_prompts(), greedy(logprobs=1), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
-    return tokens, logprobs
+    scored = llm.generate(tiny_prompts()[:2], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    prompt_logprobs = [[lp[t] for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in scored]
+    return tokens, logprobs, prompt_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +129,13 @@ def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduli
     llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, async_scheduling=async_scheduling, **PRESSURE)
     try:
         assert llm.engine.core.async_scheduling is async_scheduling
-        tokens, logprobs = run_tiny(llm)
+        tokens, logprobs, prompt_logprobs = run_tiny(llm)
         assert tokens == tiny_reference[0]
         assert llm.engine.core.scheduler.num_preemptions > 0
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(tiny_reference[1]), atol=1e-4)
-        again, _ = run_tiny(llm)  # every prompt now hits the prefix cache (on every rank's KV)
+        for ours, ref in zip(prompt_logprobs, tiny_reference[2]):
+            assert torch.allclose(torch.tensor(ours), torch.tensor(ref), atol=1e-4)
+        again, _, _ = run_tiny(llm)  # every prompt now hits the prefix cache (on every rank's KV)
         assert again == tiny_reference[0]
         assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
         worker = llm.engine.core.tp_driver.workers.processes[0]

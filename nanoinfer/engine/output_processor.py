@@ -39,6 +39,8 @@ class ParentState:
     children: dict[str, ChildState]
     output_kind: RequestOutputKind
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first child to bring them
+    prompt_logprobs_sent: bool = False  # DELTA: they go out once
 
     @property
     def finished(self) -> bool:
@@ -85,6 +87,8 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None if lp is None else logprobs_dict(lp) for lp in out.prompt_logprobs]
             child.token_ids.extend(out.new_token_ids)
             if child.logprobs is not None:
                 child.logprobs.extend(logprobs_dict(lp) for lp in out.new_logprobs if lp is not None)
@@ -130,5 +134,7 @@ class OutputProcessor:
             del self.parents[parent.request_id]
             for child_id in parent.children:
                 self.child_to_parent.pop(child_id, None)
+        prompt_logprobs = None if delta and parent.prompt_logprobs_sent else parent.prompt_logprobs
+        parent.prompt_logprobs_sent = parent.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,
-                             parent.num_cached_tokens)
+                             parent.num_cached_tokens, prompt_logprobs)

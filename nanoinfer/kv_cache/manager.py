@@ -34,7 +34,7 @@ class KVCacheManager:
         """Longest run of cached full blocks matching the request's prefix.
 
         The last token is always left to compute: the model must produce logits for it."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -25,7 +25,7 @@ from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
-from nanoinfer.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
+from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
@@ -57,6 +57,7 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, load_format, dtype, device)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is not all computed yet
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: CUDAGraphRunner | None = None
         # The latest step's sampled tokens, still on the device, and each request's row in it.
@@ -171,8 +172,11 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.scoring.discard(req_id)
         for new in scheduler_output.new_reqs:
             self.requests[new.req_id] = CachedRequestState.from_new(new, self.device)
+            if new.sampling_params.prompt_logprobs is not None:
+                self.scoring.add(new.req_id)
         for cached in scheduler_output.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
@@ -256,9 +260,10 @@ class ModelRunner:
         else:
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions)
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output, metadata.query_start_loc_cpu)
         if not sample_states:
             self.last_future = None
-            return RunnerFuture([], None, None)
+            return RunnerFuture([], None, None, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[logits_indices])
         # Rank 0 samples; TP workers receive the tokens on the device, so that, like rank 0, they can
         # feed them to the next step before anyone has read them back (async scheduling).
@@ -272,8 +277,48 @@ class ModelRunner:
         if tp_rank() != 0:
             return None
         positions = [s.prompt_len + i for s, i in zip(sample_states, output_index)]
-        self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(token_ids), errors, positions)
+        self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(token_ids), errors, positions,
+                                        prompt_logprobs)
         return self.last_future
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput, query_start_loc: list[int]
+                         ) -> tuple[list[tuple[str, int, int, int]], LogprobsTensors] | None:
+        """For requests with prompt_logprobs, the logprob of each prompt token this step's chunk predicts (the
+        hidden state at position p predicts token p + 1; the prompt's last position predicts the first output,
+        which the sampler handles), with the top-n: ([(req_id, first position, count, n)], tensors). Logits are
+        made max_num_seqs rows at a time, the size the KV-cache sizing profiled. Every TP rank runs this (the LM
+        head gathers across them); rank 0 gets the result."""
+        if not self.scoring:  # the usual step: no per-request loop
+            return None
+        spans, rows, targets = [], [], []
+        for i, req_id in enumerate(scheduler_output.num_scheduled_tokens):
+            if req_id not in self.scoring:
+                continue
+            state = self.requests[req_id]
+            n = state.sampling_params.prompt_logprobs
+            begin = state.num_computed_tokens
+            end = min(begin + query_start_loc[i + 1] - query_start_loc[i], state.prompt_len - 1)
+            if end == state.prompt_len - 1:
+                self.scoring.discard(req_id)  # the rest is sampling
+            if end <= begin:
+                continue
+            spans.append((req_id, begin + 1, end - begin, n))
+            rows.extend(range(query_start_loc[i], query_start_loc[i] + end - begin))
+            targets.extend(state.token_ids[begin + 1 : end + 1])
+        if not spans:
+            return None
+        width = max(n for *_, n in spans)
+        rows_gpu, targets_gpu = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (rows, targets))
+        parts = []
+        for first in range(0, len(rows), self.config.max_num_seqs):
+            logits = self.model.compute_logits(hidden[rows_gpu[first : first + self.config.max_num_seqs]])
+            if logits is not None:
+                parts.append(gather_logprobs(logits.float().log_softmax(dim=-1),
+                                             targets_gpu[first : first + self.config.max_num_seqs], width))
+        if not parts:  # a TP worker
+            return None
+        return spans, LogprobsTensors(*(torch.cat([getattr(p, f) for p in parts])
+                                        for f in ("logprob_token_ids", "logprobs", "selected_token_ranks")))
 
     def _sample(self, logits: torch.Tensor, states: list[CachedRequestState],
                 output_index: list[int]) -> tuple[SamplerOutput, dict[str, str]]:

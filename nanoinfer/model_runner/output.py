@@ -23,17 +23,31 @@ def copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event |
     return host, event
 
 
+def _rows(tensors: LogprobsTensors, top_n: list[int | None]) -> list[TokenLogprobs | None]:
+    """Row i as TokenLogprobs with its top_n[i] alternatives (None: the row asked for no logprobs)."""
+    ids, values = tensors.logprob_token_ids.tolist(), tensors.logprobs.tolist()
+    ranks = tensors.selected_token_ranks.tolist()
+    return [None if n is None else TokenLogprobs(ids[i][0], values[i][0], ranks[i], ids[i][1 : 1 + n],
+                                                 values[i][1 : 1 + n]) for i, n in enumerate(top_n)]
+
+
 def logprobs_to_lists(sampled: SamplerOutput, states: list[CachedRequestState]) -> list[TokenLogprobs | None]:
     if sampled.logprobs is None:
         return [None] * len(states)
-    ids = sampled.logprobs.logprob_token_ids.tolist()
-    values = sampled.logprobs.logprobs.tolist()
-    ranks = sampled.logprobs.selected_token_ranks.tolist()
-    result: list[TokenLogprobs | None] = []
-    for i, state in enumerate(states):
-        n = state.sampling_params.logprobs
-        result.append(None if n is None else
-                      TokenLogprobs(ids[i][0], values[i][0], ranks[i], ids[i][1 : 1 + n], values[i][1 : 1 + n]))
+    return _rows(sampled.logprobs, [s.sampling_params.logprobs for s in states])
+
+
+def prompt_logprobs_to_lists(prompt_logprobs: tuple[list[tuple[str, int, int, int]], LogprobsTensors] | None
+                             ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+    """ModelRunner._prompt_logprobs' result per request: (first position, entries)."""
+    if prompt_logprobs is None:
+        return {}
+    spans, tensors = prompt_logprobs
+    entries = _rows(tensors, [n for _, _, count, n in spans for _ in range(count)])
+    result, first = {}, 0
+    for req_id, start, count, _ in spans:
+        result[req_id] = (start, entries[first : first + count])
+        first += count
     return result
 
 
@@ -64,8 +78,10 @@ class RunnerFuture:
 
     def __init__(self, states: list[CachedRequestState], sampled: SamplerOutput | None,
                  host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
-                 errors: dict[str, str] | None = None, positions: list[int] | None = None) -> None:
+                 errors: dict[str, str] | None = None, positions: list[int] | None = None,
+                 prompt_logprobs: tuple[list[tuple[str, int, int, int]], LogprobsTensors] | None = None) -> None:
         self.states, self.sampled, self.host_copy = states, sampled, host_copy
+        self.prompt_logprobs = prompt_logprobs  # on the device until result()
         self.errors = errors or {}
         self.positions = positions or []  # each sampled token's index in its request's token list
         self.wait_for_device: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize
@@ -78,7 +94,7 @@ class RunnerFuture:
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
             if not self.states:
-                self._output = ModelRunnerOutput([], [], [])
+                self._output = ModelRunnerOutput([], [], [], {}, prompt_logprobs_to_lists(self.prompt_logprobs))
                 return self._output
             host, event = self.host_copy
             if event is not None:
@@ -87,5 +103,6 @@ class RunnerFuture:
             for state, token_id in zip(self.states, token_ids):
                 state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
-                                             logprobs_to_lists(self.sampled, self.states), self.errors)
+                                             logprobs_to_lists(self.sampled, self.states), self.errors,
+                                             prompt_logprobs_to_lists(self.prompt_logprobs))
         return self._output

@@ -188,6 +188,10 @@ class Scheduler:
     def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply token-level stop conditions, free finished requests."""
         results = []
+        for req_id, (start, entries) in output.prompt_logprobs.items():  # before the tokens: a chunk may end both
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING and request.prompt_logprobs is not None:
+                request.prompt_logprobs[start : start + len(entries)] = entries
         for req_id, token_id, logprobs in zip(output.req_ids, output.sampled_token_ids, output.logprobs):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
@@ -207,6 +211,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    prompt_logprobs=None if failed else request.take_prompt_logprobs(),
                 )
             )
             if finished:

@@ -164,17 +164,27 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
         params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
+        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as in OpenAI's API
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._generate(request_id, req.prompts, params, req, {}, raw)
+        prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
 
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
-            return {"index": d.index, "text": (self._prompt_text(d.output) if req.echo and d.first else "") + c.text,
-                    "logprobs": None if c.logprobs is None else
-                    self._completion_logprobs(c.token_ids, c.logprobs, d.text_offset),
+            echo = self._prompt_text(d.output) if req.echo and d.first else ""
+            logprobs = None
+            if c.logprobs is not None:
+                if d.output.prompt_logprobs is not None:
+                    prompt_logprobs[d.output.request_id] = d.output.prompt_logprobs
+                logprobs = self._completion_logprobs(c.token_ids, c.logprobs, len(echo) + d.text_offset)
+                if echo:
+                    known = prompt_logprobs.get(d.output.request_id)  # none if it ended before its first token
+                    prompt = self._completion_logprobs(d.output.prompt_token_ids,
+                                                       known or [None] * len(d.output.prompt_token_ids), 0)
+                    logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+            return {"index": d.index, "text": echo + c.text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
         return await self._respond(stream, raw, req, params.n, request_id, ("text_completion", "text_completion"),
@@ -367,15 +377,17 @@ class OpenAIServing:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> dict:
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None], offset: int) -> dict:
+        """OpenAI's legacy logprobs object; a None entry (an echoed prompt's first token) is null in it."""
         tokens = [self._token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens,
-                "token_logprobs": [max(lp[t], _MIN_LOGPROB) for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [{self._token_text(i): max(v, _MIN_LOGPROB) for i, v in lp.items()} for lp in logprobs],
+                "token_logprobs": [None if lp is None else max(lp[t], _MIN_LOGPROB) for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [None if lp is None else {self._token_text(i): max(v, _MIN_LOGPROB) for i, v in lp.items()}
+                                 for lp in logprobs],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:

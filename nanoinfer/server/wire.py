@@ -53,21 +53,26 @@ def decode_request(data: dict, eos_token_ids: set[int], block_size: int) -> Requ
                    data["arrival_time"])
 
 
+def _encode_logprobs(logprobs: list[TokenLogprobs | None] | None) -> list | None:
+    if logprobs is None or all(lp is None for lp in logprobs):
+        return None
+    return [None if lp is None else [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
+            for lp in logprobs]
+
+
+def _decode_logprobs(rows: list | None) -> list[TokenLogprobs | None] | None:
+    return None if rows is None else [None if lp is None else TokenLogprobs(*lp) for lp in rows]
+
+
 def encode_outputs(outputs: list[EngineCoreOutput]) -> list[list]:
-    return [
-        [o.request_id, o.new_token_ids,
-         None if all(lp is None for lp in o.new_logprobs) else
-         [None if lp is None else [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
-          for lp in o.new_logprobs],
-         o.finish_reason, o.stop_reason, o.num_cached_tokens]
-        for o in outputs
-    ]
+    return [[o.request_id, o.new_token_ids, _encode_logprobs(o.new_logprobs), o.finish_reason, o.stop_reason,
+             o.num_cached_tokens, _encode_logprobs(o.prompt_logprobs)] for o in outputs]
 
 
 def decode_outputs(rows: list[list]) -> list[EngineCoreOutput]:
     outputs = []
-    for request_id, token_ids, logprobs, finish_reason, stop_reason, num_cached in rows:
-        new_logprobs = ([None] * len(token_ids) if logprobs is None else
-                        [None if lp is None else TokenLogprobs(*lp) for lp in logprobs])
-        outputs.append(EngineCoreOutput(request_id, token_ids, new_logprobs, finish_reason, stop_reason, num_cached))
+    for request_id, token_ids, logprobs, finish_reason, stop_reason, num_cached, prompt_logprobs in rows:
+        new_logprobs = _decode_logprobs(logprobs) or [None] * len(token_ids)
+        outputs.append(EngineCoreOutput(request_id, token_ids, new_logprobs, finish_reason, stop_reason, num_cached,
+                                        _decode_logprobs(prompt_logprobs)))
     return outputs
