@@ -404,7 +404,7 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 8}, 400, "max_tokens"),  # unset: the rest of the context
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

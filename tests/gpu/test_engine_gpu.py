@@ -110,6 +110,31 @@ def test_mixed_steps_replay_graphs_and_equal_reference_fp32(fp32_reference: list
         free_gpu_memory()
 
 
+def test_prompt_logprobs_in_mixed_step_graphs_equal_the_reference_path_fp32(monkeypatch) -> None:
+    """prompt_logprobs read every prompt row of a step's hidden states: through mixed-step graph replays (chunks
+    of 256 tokens beside decodes) they equal the PyTorch reference path's."""
+    from nanoinfer import LLM, SamplingParams
+
+    def score(**engine_args) -> list[list[float]]:
+        llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4,
+                  max_num_batched_tokens=256, **engine_args)
+        try:
+            outs = llm.generate(prompts()[:8], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1),
+                                use_tqdm=False)
+            return [[lp[t] for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in outs]
+        finally:
+            llm.close()
+            del llm
+            free_gpu_memory()
+
+    steps = record_mixed_steps(monkeypatch)
+    fast = score()
+    assert steps, "no step replayed a mixed-step graph"
+    reference = score(**REFERENCE_PATH)
+    for ours, ref in zip(fast, reference):
+        assert torch.allclose(torch.tensor(ours), torch.tensor(ref), atol=1e-3)
+
+
 def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
     """kv_cache_dtype="fp8": K/V rounded to float8_e4m3fn as they are stored. Two correct paths can
     round a K/V value to neighbouring fp8 values (its fp32 input differs in the last bits), a 6%
