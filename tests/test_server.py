@@ -621,3 +621,14 @@ def test_serving_benchmark_splits_its_load_over_client_processes(server, tmp_pat
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (6, 0, 30)
     assert result["ttft_ms"]["median"] > 0 and result["itl_ms"]["median"] > 0 and result["duration_s"] > 0
+
+
+def test_core_outputs_cross_the_wire_unchanged() -> None:
+    from nanoinfer.outputs import EngineCoreOutput, TokenLogprobs
+    from nanoinfer.server.wire import decode_outputs, encode_outputs, pack, unpack
+
+    lp = TokenLogprobs(5, -0.5, 1, [5, 7], [-0.5, -1.5])
+    outputs = [EngineCoreOutput("a", [5], [lp], "length", None, 3, [None, lp]),
+               EngineCoreOutput("b", [1, 2], [None, None], None, None, 0, [None]),  # a one-token prompt: [None]
+               EngineCoreOutput("c", [], [], "abort", None, 0, None)]
+    assert decode_outputs(unpack(pack(*encode_outputs(outputs)))) == outputs

@@ -54,7 +54,7 @@ def decode_request(data: dict, eos_token_ids: set[int], block_size: int) -> Requ
 
 
 def _encode_logprobs(logprobs: list[TokenLogprobs | None] | None) -> list | None:
-    if logprobs is None or all(lp is None for lp in logprobs):
+    if logprobs is None:
         return None
     return [None if lp is None else [lp.token_id, lp.logprob, lp.rank, lp.top_token_ids, lp.top_logprobs]
             for lp in logprobs]
@@ -65,8 +65,10 @@ def _decode_logprobs(rows: list | None) -> list[TokenLogprobs | None] | None:
 
 
 def encode_outputs(outputs: list[EngineCoreOutput]) -> list[list]:
-    return [[o.request_id, o.new_token_ids, _encode_logprobs(o.new_logprobs), o.finish_reason, o.stop_reason,
-             o.num_cached_tokens, _encode_logprobs(o.prompt_logprobs)] for o in outputs]
+    return [[o.request_id, o.new_token_ids,
+             None if all(lp is None for lp in o.new_logprobs) else _encode_logprobs(o.new_logprobs),
+             o.finish_reason, o.stop_reason, o.num_cached_tokens, _encode_logprobs(o.prompt_logprobs)]
+            for o in outputs]
 
 
 def decode_outputs(rows: list[list]) -> list[EngineCoreOutput]:
