@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from greedy_compare import CONFIGS, assert_greedy_close, greedy
+from greedy_compare import CONFIGS, assert_greedy_close, free_gpu_memory, greedy, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
@@ -34,6 +34,27 @@ COMMON = {"load_format": "dummy", "dtype": "float32", "gpu_memory_utilization": 
 @functools.cache
 def tp1_outputs(config: str) -> list:
     return greedy(os.path.join(CONFIGS, config), enforce_eager=True, **COMMON)
+
+
+def test_tp2_prompt_logprobs_equal_tp1() -> None:
+    """prompt_logprobs gather the vocab-parallel LM head's rows of every prompt position (eager, beside the
+    graphs' replays): TP=2 gives TP=1's values."""
+    from nanoinfer import LLM, SamplingParams
+
+    def score(**engine_args) -> list[torch.Tensor]:
+        llm = LLM(os.path.join(CONFIGS, "qwen3-0.6b.json"), max_num_batched_tokens=256, **COMMON, **engine_args)
+        try:
+            outs = llm.generate(prompts()[:8], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1),
+                                use_tqdm=False)
+            return [torch.tensor([lp[t] for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+                    for o in outs]
+        finally:
+            llm.close()
+            del llm
+            free_gpu_memory()
+
+    for ours, ref in zip(score(tensor_parallel_size=2), score()):
+        assert torch.allclose(ours, ref, atol=1e-3)
 
 
 def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
