@@ -321,6 +321,18 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
                                                                                       ref.outputs[0].token_ids)])
             assert lp.text_offset[len(ids)] == len(prompt)
     assert "".join(c.choices[0].text for c in streamed) == out.text
+    # max_tokens 0 with echo scores the prompt alone (vLLM's reading): its text and logprobs, nothing generated.
+    for stream in (False, True):
+        got = client.completions.create(**{**kw, "max_tokens": 0}, stream=stream,
+                                        **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(got) if stream else [got]
+        choice, usage = chunks[0].choices[0], chunks[-1].usage
+        assert choice.text == prompt and len(choice.logprobs.tokens) == len(ids)
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(out.logprobs.token_logprobs[1 : len(ids)])
+        assert choice.finish_reason == "length" and usage.completion_tokens == 0
+        assert usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo there is nothing to return
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
 
 
 def test_64_concurrent_streams_match_offline(server, offline):

@@ -48,6 +48,13 @@ def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def _without_generated(output: RequestOutput) -> RequestOutput:
+    """The output with its completions' tokens, text and logprobs left out (echo with max_tokens 0)."""
+    return dataclasses.replace(output, outputs=[
+        dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+        for c in output.outputs])
+
+
 def _usage(outputs: list[RequestOutput]) -> dict:
     """The usage of whole (final) outputs."""
     return _usage_counts(sum(len(o.prompt_token_ids) for o in outputs),
@@ -164,7 +171,9 @@ class OpenAIServing:
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         req.check_supported()
-        params = self._sampling_params(req, req.max_tokens, req.logprobs, {})
+        # echo with max_tokens 0 scores the prompt alone (as vLLM): one token is made, and left out of the response.
+        echo_only = req.echo and req.max_tokens == 0
+        params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, {})
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as in OpenAI's API
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -188,7 +197,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
         return await self._respond(stream, raw, req, params.n, request_id, ("text_completion", "text_completion"),
-                                   choice)
+                                   choice, _without_generated if echo_only else None)
 
     # ----- /v1/chat/completions -----
 
@@ -313,17 +322,21 @@ class OpenAIServing:
             raise ApiError(503, f"{e}; retry later", headers={"Retry-After": _RETRY_AFTER_SECONDS}) from None
 
     async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, request_id: str,
-                       objects: tuple[str, str], render: Callable[[_Delta, bool], dict]) -> Response:
+                       objects: tuple[str, str], render: Callable[[_Delta, bool], dict],
+                       reshape: Callable[[RequestOutput], RequestOutput] | None = None) -> Response:
         """Server-sent chunks of `render(delta, streaming=True)`, or one JSON response once all is done.
-        `objects`: the "object" field of a chunk and of a whole response."""
+        `objects`: the "object" field of a chunk and of a whole response; `reshape`: applied to every output
+        first (so usage counts what the response holds)."""
         base = {"id": request_id, "created": int(time.time()), "model": self.model_names[0]}
         if req.stream:
             events = self._events(stream, n, base | {"object": objects[0]}, lambda d: render(d, True),
-                                  req.include_usage)
+                                  req.include_usage, reshape)
             return EventStreamResponse(events, lambda: self.client.abort(stream))
         outputs = await self._collect(stream, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
+        if reshape is not None:
+            outputs = [reshape(o) for o in outputs]
         if any(c.finish_reason == "error" for o in outputs for c in o.outputs):
             raise _request_failed(request_id)
         choices = [render(_Delta(i * n + c.index, o, c, 0, True), False)
@@ -351,10 +364,13 @@ class OpenAIServing:
         return task.result() if task in done else None
 
     async def _events(self, stream: OutputStream, n: int, base: dict, render: Callable[[_Delta], dict],
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, reshape: Callable[[RequestOutput], RequestOutput] | None
+                      ) -> AsyncIterator[str]:
         tracker = _DeltaTracker(stream.request_ids, n)
         try:
             async for updates in stream:
+                if reshape is not None:
+                    updates = {request_id: reshape(o) for request_id, o in updates.items()}
                 for delta in tracker.update(updates):
                     if delta.completion.finish_reason == "error":
                         raise _request_failed(base["id"])
