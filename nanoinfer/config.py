@@ -19,10 +19,33 @@ def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
+def read_chat_template(value: str | os.PathLike) -> str:
+    """The template in a file, or `value` itself when it is one (vLLM's --chat-template takes either), checked
+    for Jinja syntax now rather than at the first chat request."""
+    import jinja2
+    import jinja2.sandbox
+
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"chat_template must be a str or a path, got {type(value).__name__}")
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    elif isinstance(value, str) and ("{{" in value or "{%" in value):
+        template = value
+    else:
+        raise ValueError(f"chat_template {os.fspath(value)!r} is neither a file nor a Jinja template")
+    try:  # the environment transformers renders chat templates in (its loop controls included)
+        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: Jinja syntax error on line {e.lineno}: {e.message}") from None
+    return template
+
+
 @dataclass
 class EngineConfig:
     model: str | None = _arg(None, "model folder (config.json + safetensors), a .gguf file, or None for the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _arg(None, "tokenizer folder or .gguf file (default: the model's)")
+    chat_template: str | None = _arg(None, "chat template replacing the tokenizer's (for a model without one, or to change it): a Jinja file, or the template itself")
     load_format: str = _arg("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
     dtype: str = _arg("auto", "weights and activations dtype (auto: float32 on CPU, the model's bf16/fp16 on GPU)", ("auto", "float32", "float16", "bfloat16"))
     device: str = _arg("auto", "where to run (auto: cuda if available)", ("auto", "cpu", "cuda"))
@@ -50,6 +73,8 @@ class EngineConfig:
                 if not isinstance(value, os.PathLike):
                     raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__} {value!r}")
                 setattr(self, name, os.fspath(value))
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")

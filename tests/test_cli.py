@@ -96,3 +96,5 @@ def test_serve_options_refuse_nonsense() -> None:
     assert proc.returncode == 2 and "shutdown_timeout" in proc.stderr and "Traceback" not in proc.stderr
     proc = run(["serve", "--served-model-name", "", "--port", "0"])
     assert proc.returncode == 2 and "served_model_names" in proc.stderr
+    proc = run(["serve", "--chat-template", "{% for m in messages %}{{ m.content }", "--port", "0"])
+    assert proc.returncode == 2 and "Jinja syntax error" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""Engine argument defaults that depend on who runs the engine and on which GPU."""
+"""Engine arguments: defaults that depend on who runs the engine and on which GPU, and the chat template."""
 
 from __future__ import annotations
 
@@ -45,3 +45,28 @@ def test_llm_applies_the_offline_default_unless_given() -> None:
         LLM("some-model", max_num_batched_tokens=512)
     assert [c.max_num_batched_tokens for c in built] == [16384, 16384, 512]
     assert [call.args for call in default.call_args_list] == [("auto",), ("cpu",)]
+
+
+def test_chat_template_from_a_file_or_inline_is_checked_at_once(tmp_path) -> None:
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert EngineConfig(chat_template=str(tmp_path / "t.jinja")).chat_template == template
+    assert EngineConfig(chat_template=tmp_path / "t.jinja").chat_template == template
+    assert EngineConfig(chat_template=template).chat_template == template
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        EngineConfig(chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="syntax error on line 2"):
+        EngineConfig(chat_template="{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(TypeError, match="chat_template"):
+        EngineConfig(chat_template=3)
+
+
+def test_chat_template_replaces_the_tokenizers(tiny_models, smollm2_path) -> None:
+    from nanoinfer import LLM
+
+    llm = LLM(tiny_models["llama"], tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20,
+              chat_template="{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    assert llm.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        llm.tokenizer.encode("<<hi>>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="chat_template needs a tokenizer"):
+        LLM(tiny_models["llama"], kv_cache_memory_bytes=16 << 20, chat_template="{{ messages }}")

@@ -39,6 +39,10 @@ def load_model_and_tokenizer(config: EngineConfig) -> tuple[ModelSource, object]
     and load its tokenizer; the tokenizer's eos id joins the config's end-of-sequence ids."""
     source = resolve_model(config)
     tokenizer = load_tokenizer(source.tokenizer_path)
+    if config.chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("chat_template needs a tokenizer: this model has none (give tokenizer=PATH)")
+        tokenizer.chat_template = config.chat_template
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         source = dataclasses.replace(source, eos_token_ids=source.eos_token_ids | {tokenizer.eos_token_id})
     return source, tokenizer
