@@ -63,6 +63,44 @@ def _check_token_ids(name: str, value: object, limit: int) -> list[int]:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names): exactly one of a JSON schema (`json`, a dict or its JSON text),
+    any JSON object (`json_object=True`), a regex, one of the `choice` strings, or an EBNF `grammar`."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool("structured_outputs.json_object", self.json_object)
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice and grammar; "
+                             f"got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its text), got "
+                            f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty str, got {value!r:.80}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty str, got "
+                                f"{self.choice!r:.80}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
+            if not self.json_object else "json_object"
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -85,6 +123,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit each step
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (or its dict)
 
     def __post_init__(self) -> None:
         if _check_int("n", self.n) < 1:
@@ -127,6 +166,14 @@ class SamplingParams:
             if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):  # as it crosses the wire, or from a caller
+            unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown fields {sorted(unknown)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _normalise_logit_bias(bias: object) -> dict[int, float] | None:

@@ -329,3 +329,25 @@ def test_symmetric_all_reduce_stays_off_without_nccl() -> None:
         assert torch.equal(parallel_state.tp_all_reduce(x), torch.arange(8.0))
     finally:
         dist.destroy_process_group()
+
+
+def test_tp2_follows_grammars_as_tp1(tmp_path_factory, smollm2_path) -> None:
+    """Structured outputs: rank 0 masks the gathered logits by each request's grammar before it samples."""
+    import re
+
+    from test_server import tiny_model_with_smollm2_vocab
+
+    from nanoinfer import StructuredOutputsParams
+
+    model = tiny_model_with_smollm2_vocab(tmp_path_factory)  # 4 / 2 heads, SmolLM2's vocabulary and tokenizer
+    params = SamplingParams(temperature=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex="[a-c]{3}( [0-9]{2})?"))
+    prompts = ["one", "two words", "three words here"]
+    reference = [o.outputs[0].text for o in LLM(model, tokenizer=smollm2_path, device="cpu",
+                                                kv_cache_memory_bytes=SMALL_KV).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, tokenizer=smollm2_path, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV)
+    try:
+        assert [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+    finally:
+        llm.close()
+    assert all(re.fullmatch("[a-c]{3}( [0-9]{2})?", text) for text in reference), reference

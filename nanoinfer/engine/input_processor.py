@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 
 from nanoinfer.request import Request
-from nanoinfer.sampling_params import SamplingParams, child_seed
+from nanoinfer.sample.structured import GrammarCompiler
+from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams, child_seed
 
 
 @dataclass
@@ -46,6 +47,7 @@ class InputProcessor:
         # seconds on it (4 MB of text: ~5 s, on the server's event loop).
         self.max_prompt_chars = None if tokenizer is None else limits.max_model_len * max(
             map(len, tokenizer.get_vocab()), default=1)
+        self.grammars: GrammarCompiler | None = None  # structured outputs: made at the first such request
 
     def check_prompt_chars(self, num_chars: int) -> None:
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
@@ -94,6 +96,8 @@ class InputProcessor:
             bad = [t for t in token_ids if t >= self.limits.vocab_size]
             if bad:
                 raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        if params.structured_outputs is not None:
+            self.check_grammar(params.structured_outputs)
         token_ids = self.tokenize(prompt)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         arrival = time.monotonic()
@@ -104,6 +108,15 @@ class InputProcessor:
             children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
                                     self.limits.block_size, max_tokens, priority, cache_salt, arrival))
         return token_ids, children
+
+    def check_grammar(self, spec: StructuredOutputsParams) -> None:
+        """A schema, regex or grammar that cannot compile is the caller's error (ValueError), found before the
+        request enters the engine (the core compiles it again, from xgrammar's cache after the first time)."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer: this model has none (give tokenizer=PATH)")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
+        self.grammars.compile(spec)
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.limits.max_tokens_per_request

@@ -26,6 +26,7 @@ from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
+from nanoinfer.sample.structured import GrammarCompiler
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
@@ -33,7 +34,8 @@ logger = logging.getLogger("nanoinfer")
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, device: torch.device,
-                 dtype: torch.dtype, eos_token_ids: set[int], tp_size: int = 1) -> None:
+                 dtype: torch.dtype, eos_token_ids: set[int], tp_size: int = 1,
+                 tokenizer_path: str | None = None) -> None:
         self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
         # fp8: K/V rounded to float8_e4m3fn as they are stored; attention upcasts them as it loads them.
         self.kv_cache_dtype = dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
@@ -58,6 +60,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is not all computed yet
+        self.tokenizer_path = tokenizer_path  # for structured outputs' grammars (`_grammar_compiler`)
+        self.grammars: GrammarCompiler | None = None
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: CUDAGraphRunner | None = None
         # The latest step's sampled tokens, still on the device, and each request's row in it.
@@ -347,6 +351,7 @@ class ModelRunner:
         reusable = not any(s.sampling_varies for s in states)
         if reusable and self.last_sampling is not None and self.last_sampling[0] == req_ids:
             return self.last_sampling[1]
+        structured = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             # Only penalties and min_tokens read the history: skip copying it otherwise.
@@ -356,9 +361,29 @@ class ModelRunner:
             stop_token_ids=[self._min_tokens_stop_ids(s) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
+            allowed_tokens=(structured, self._grammar_compiler().bitmask([self._matcher(states[i]) for i in structured]))
+            if structured else None,
         )
         self.last_sampling = (req_ids, metadata) if reusable else None
         return metadata
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """Built at the first structured-output request (it loads the tokenizer: ~0.2-1 s once)."""
+        if self.grammars is None:
+            from nanoinfer.engine.llm_engine import load_tokenizer
+
+            tokenizer = load_tokenizer(self.tokenizer_path)
+            if tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer")
+            self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
+        return self.grammars
+
+    def _matcher(self, state: CachedRequestState):
+        """The request's grammar matcher, made at its first sampling (after a preemption: fed its outputs)."""
+        if state.matcher is None:
+            state.matcher = self._grammar_compiler().matcher(state.sampling_params.structured_outputs,
+                                                             state.token_ids[state.prompt_len:])
+        return state.matcher
 
     def add_sampled_tokens(self, req_ids: list[str], positions: list[int], token_ids: list[int]) -> None:
         """TP workers: append the tokens rank 0 has read back, so every rank keeps the same token lists.
@@ -384,7 +409,7 @@ def start_model_runner(config: EngineConfig, source, device: torch.device, dtype
     tensor-parallel rank runs exactly this, so the collectives inside (profiling,
     agreeing on the block count, graph warm-up) happen in the same order everywhere."""
     runner = ModelRunner(config, source.hf_config, source.model_path, device, dtype, source.eos_token_ids,
-                         config.tensor_parallel_size)
+                         config.tensor_parallel_size, source.tokenizer_path)
     runner.initialize_kv_cache(agree_num_blocks(runner.num_kv_blocks_for_budget()))
     if config.tensor_parallel_size > 1 and device.type == "cuda":  # decode-sized all-reduces
         enable_symmetric_all_reduce(config.max_num_seqs, source.hf_config.hidden_size, dtype)

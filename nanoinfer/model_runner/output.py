@@ -102,6 +102,8 @@ class RunnerFuture:
             token_ids = host.tolist()
             for state, token_id in zip(self.states, token_ids):
                 state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
+                if state.matcher is not None and not state.matcher.is_terminated():
+                    state.matcher.accept_token(token_id)
             self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
                                              logprobs_to_lists(self.sampled, self.states), self.errors,
                                              prompt_logprobs_to_lists(self.prompt_logprobs))

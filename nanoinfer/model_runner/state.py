@@ -4,6 +4,7 @@ scheduler output only has to carry deltas."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,8 +22,9 @@ class CachedRequestState:
     block_ids: np.ndarray  # int32: copied into the step's block table without a list conversion
     num_computed_tokens: int
     generator: torch.Generator | None
-    # Penalties and min_tokens look at every output token, so its newest must be on the host.
+    # Penalties, min_tokens and a grammar look at every output token, so its newest must be on the host.
     needs_history: bool
+    matcher: Any = None  # structured outputs: the grammar's matcher, fed every sampled token (ModelRunner)
 
     @property
     def sampling_varies(self) -> bool:
@@ -36,7 +38,8 @@ class CachedRequestState:
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=device)
         p = new.sampling_params
-        needs_history = p.min_tokens > 0 or p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        needs_history = (p.min_tokens > 0 or p.presence_penalty != 0 or p.frequency_penalty != 0
+                         or p.repetition_penalty != 1 or p.structured_outputs is not None)
         return cls(new.req_id, list(new.all_token_ids), new.prompt_len, p, np.asarray(new.block_ids, dtype=np.int32),
                    new.num_computed_tokens, generator, needs_history)
 

@@ -49,6 +49,8 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None  # [B] float32
     # Top-n logprobs to return: the largest n asked for in the batch.
     max_num_logprobs: int | None
+    # (rows, [rows, words] int32 bitmask): the tokens a structured-output row may sample next, one bit each.
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -64,6 +66,7 @@ class SamplingMetadata:
         stop_token_ids: list[set[int]],
         vocab_size: int,
         device: torch.device,
+        allowed_tokens: tuple[list[int], torch.Tensor] | None = None,  # (rows, CPU bitmask): structured outputs
     ) -> SamplingMetadata:
         num_rows = len(params)
         if num_rows == 0:
@@ -122,6 +125,9 @@ class SamplingMetadata:
             presence_penalties=used(presence, 0.0),
             frequency_penalties=used(frequency, 0.0),
             max_num_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            allowed_tokens=None if allowed_tokens is None else (
+                to_device(torch.tensor(allowed_tokens[0], dtype=torch.int64), device),
+                to_device(allowed_tokens[1], device)),
         )
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from nanoinfer.sample.metadata import SamplingMetadata
+from nanoinfer.sample.structured import apply_token_bitmask
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata"]
 
@@ -62,6 +63,8 @@ class Sampler(nn.Module):
         logits = apply_logit_bias(logits, metadata)
         logits = apply_min_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
+        if metadata.allowed_tokens is not None:  # structured outputs: only what the grammar allows next
+            logits = apply_token_bitmask(logits, *metadata.allowed_tokens)
         sampled = sample(logits, metadata)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None)

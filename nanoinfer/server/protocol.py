@@ -75,16 +75,16 @@ class GenerationRequest(_Body):
     cache_salt: str | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # JSON keys: token ids as strings
-    # Declared to be refused, not ignored: each would change the output (check_supported).
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}, or vLLM's
+    # structured_outputs {"json" | "json_object" | "regex" | "choice" | "grammar": ...}: the output follows it.
     response_format: dict | None = None
+    structured_outputs: dict | None = None
+    # Declared to be refused, not ignored: tool calls would change the output (check_supported).
     tools: list | None = None
     tool_choice: str | dict | None = None
 
     def check_supported(self) -> None:
         """Refuse (400) fields whose meaning this server does not implement, instead of ignoring them."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ApiError(400, "only response_format {\"type\": \"text\"} is supported (no guided decoding)",
-                           "response_format")
         if self.tools and self.tool_choice != "none":
             raise ApiError(400, "tool calling is not supported: send tools only with tool_choice \"none\"",
                            "tool_choice")
@@ -104,7 +104,25 @@ class GenerationRequest(_Body):
             if bad is not None:
                 raise ValueError(f"logit_bias keys must be token ids, got {bad!r:.40}")
             given["logit_bias"] = {int(key): value for key, value in self.logit_bias.items()}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self._structured_outputs(),
+                              **given)
+
+    def _structured_outputs(self) -> dict | None:
+        kind = None if self.response_format is None else self.response_format.get("type")
+        if kind not in (None, "text", "json_object", "json_schema"):
+            raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
+                           "response_format")
+        if kind in ("json_object", "json_schema") and self.structured_outputs is not None:
+            raise ApiError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
+                                    '{...}}}', "response_format")
+            return {"json": spec["schema"]}
+        return self.structured_outputs
 
 
 def _is_token_ids(value: object) -> bool:

@@ -36,7 +36,7 @@ logger = logging.getLogger("nanoinfer")
 
 
 def _param(message: str, renames: dict[str, str]) -> str | None:
-    word = message.split(" ", 1)[0]
+    word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")  # "structured_outputs.json must ..." names its field
     return renames.get(word, word) if word in _FIELD_NAMES else None
 
 

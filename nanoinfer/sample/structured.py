@@ -1,0 +1,86 @@
+"""Structured outputs: a grammar (a JSON schema, any JSON object, a regex, a list of choices, an EBNF grammar)
+constrains which tokens a request may sample next. xgrammar (vLLM's default backend) compiles the grammar against
+the tokenizer's vocabulary and, per request, a matcher follows the tokens sampled so far and fills a bitmask of
+the tokens allowed next; the sampler sets every other token's logit to -inf.
+
+The front end compiles a request's grammar once at admission (a bad schema is the caller's error, before
+anything enters the engine); the sampling rank compiles it again (cached per grammar) to make the request's
+matcher, fed every sampled token, also after a preemption replays them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from nanoinfer.sampling_params import StructuredOutputsParams
+
+
+class GrammarCompiler:
+    """xgrammar's compiler for one tokenizer and model vocabulary, built when first needed (~0.2 s)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        import xgrammar
+
+        self.xgr = xgrammar
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgrammar.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+        # Once a matcher has accepted a stop token only stop tokens may follow (the output is complete): a step
+        # planned before the request's end was seen, or a request that ignores eos.
+        bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+        bits[info.stop_token_ids] = True
+        self.stop_only = torch.from_numpy(np.packbits(bits.reshape(-1, 32)[:, ::-1]).view(">u4").astype(np.uint32)
+                                          .view(np.int32))
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec` (xgrammar caches compilations); ValueError naming what is wrong."""
+        try:
+            if spec.json is not None:
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return self.compiler.compile_json_schema(schema)
+            if spec.json_object:
+                return self.compiler.compile_builtin_json_grammar()
+            if spec.regex is not None:
+                return self.compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return self.compiler.compile_regex("|".join(_regex_literal(c) for c in spec.choice))
+            return self.compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError) as e:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
+            raise ValueError(f"structured_outputs: the {spec.kind} cannot be compiled: {_first_line(e)}") from None
+
+    def matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Any:
+        """A matcher for `spec` that has accepted `output_token_ids` (a request resumed after preemption)."""
+        matcher = self.xgr.GrammarMatcher(self.compile(spec))
+        for token_id in output_token_ids:
+            matcher.accept_token(token_id)
+        return matcher
+
+    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
+        """[rows, words] int32 on the CPU: row i's allowed next tokens, one bit each."""
+        mask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for row, matcher in enumerate(matchers):
+            if matcher.is_terminated():
+                mask[row] = self.stop_only
+            else:
+                matcher.fill_next_token_bitmask(mask, row)
+        return mask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for every token whose bit is 0 in `bitmask` (one row per entry of `rows`, the logits rows it masks)."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[1]].bool()
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching exactly it (xgrammar's regex syntax: the special characters escaped)."""
+    return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}/" else ch for ch in text)
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

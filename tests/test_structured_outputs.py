@@ -1,0 +1,119 @@
+"""Structured outputs (xgrammar): the output follows a JSON schema, any JSON object, a regex, one of several
+choices or an EBNF grammar; bad grammars are the caller's error; the constraint holds through preemption,
+async scheduling and tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+from nanoinfer.sample.structured import apply_token_bitmask
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+PHONE = r"\d{3}-\d{4}"
+
+
+def constrained(spec: StructuredOutputsParams, max_tokens: int = 64, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec, **kw)
+
+
+@pytest.fixture(scope="module")
+def smol() -> LLM:
+    return LLM(kv_cache_memory_bytes=64 << 20)
+
+
+def test_smollm2_follows_each_kind_of_grammar(smol: LLM) -> None:
+    ask = smol.apply_chat_template([{"role": "user", "content": "Describe a person called Bob, aged 30, as JSON."}])
+    person = smol.generate([ask], constrained(StructuredOutputsParams(json=PERSON)), use_tqdm=False)[0].outputs[0]
+    assert person.finish_reason == "stop"
+    value = json.loads(person.text)
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and isinstance(value["age"], int)
+    schema_text = smol.generate([ask], constrained(StructuredOutputsParams(json=json.dumps(PERSON))),
+                                use_tqdm=False)[0].outputs[0]
+    assert schema_text.text == person.text  # the schema as a dict or as its JSON text: one grammar
+    short = smol.apply_chat_template([{"role": "user", "content": "Give a JSON object with one key, city, for Paris."}])
+    anything = smol.generate([short], constrained(StructuredOutputsParams(json_object=True)),
+                             use_tqdm=False)[0].outputs[0]
+    assert anything.finish_reason == "stop" and isinstance(json.loads(anything.text), dict)
+    unconstrained = smol.generate([ask], SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
+    assert not unconstrained.text.startswith("{")  # the grammar, not the prompt, made the JSON
+
+    yes_no = smol.apply_chat_template([{"role": "user", "content": "Is Paris in France? Answer yes or no."}])
+    choice = smol.generate([yes_no], constrained(StructuredOutputsParams(choice=["yes", "no", "a (b)?"])),
+                           use_tqdm=False)[0].outputs[0]
+    assert choice.text in ("yes", "no", "a (b)?") and choice.finish_reason == "stop"
+    phone = smol.apply_chat_template([{"role": "user", "content": "Make up a phone number."}])
+    number = smol.generate([phone], constrained(StructuredOutputsParams(regex=PHONE)), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(PHONE, number.text) and number.finish_reason == "stop"
+    ebnf = 'root ::= "The answer is " [0-9]+ "."'
+    answer = smol.generate([yes_no], constrained(StructuredOutputsParams(grammar=ebnf)), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"The answer is \d+\.", answer.text)
+
+
+def test_bad_grammars_are_refused_before_the_engine(smol: LLM) -> None:
+    core = smol.engine.core
+    for spec, error, match in (
+        (dict(json={"type": "no-such-type"}), ValueError, "json cannot be compiled"),
+        (dict(regex="(unclosed"), ValueError, "regex cannot be compiled"),
+        (dict(grammar="root ::= undefined_rule"), ValueError, "grammar cannot be compiled"),
+    ):
+        with pytest.raises(error, match=match):
+            smol.generate(["hi"], constrained(StructuredOutputsParams(**spec)), use_tqdm=False)
+    for kwargs, error, match in (
+        (dict(), ValueError, "exactly one of"),
+        (dict(regex="a", choice=["b"]), ValueError, "exactly one of"),
+        (dict(json=3), TypeError, "structured_outputs.json"),
+        (dict(choice=[]), TypeError, "structured_outputs.choice"),
+        (dict(json_object="yes"), TypeError, "json_object"),
+    ):
+        with pytest.raises(error, match=match):
+            StructuredOutputsParams(**kwargs)
+    with pytest.raises(ValueError, match="unknown fields"):
+        SamplingParams(structured_outputs={"schema": {}})
+    assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs == StructuredOutputsParams(regex="a")
+    assert not smol.engine.has_unfinished_requests()
+    assert core.scheduler.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
+def test_bitmask_masks_exactly_the_cleared_bits() -> None:
+    allowed = [0, 5, 31, 32, 63, 70]
+    words = torch.zeros(1, 3, dtype=torch.int64)
+    for t in allowed:
+        words[0, t // 32] |= 1 << (t % 32)
+    bitmask = (words - (words >= 2**31).long() * 2**32).to(torch.int32)  # the same 32 bits, as int32
+    logits = torch.zeros(3, 72)
+    out = apply_token_bitmask(logits, torch.tensor([1]), bitmask)
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == allowed
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all() and torch.isfinite(logits).all()
+
+
+def test_a_finished_grammar_allows_only_stop_tokens(smol: LLM) -> None:
+    from nanoinfer.sample.structured import GrammarCompiler
+
+    grammars = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
+    matcher = grammars.matcher(StructuredOutputsParams(choice=["yes"]), smol.tokenizer.encode("yes") +
+                               [smol.tokenizer.eos_token_id])
+    assert matcher.is_terminated()  # what a step planned before the request's end was seen meets (async)
+    logits = apply_token_bitmask(torch.zeros(1, grammars.vocab_size), torch.tensor([0]), grammars.bitmask([matcher]))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [smol.tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_grammars_hold_through_preemption(smollm2_path, async_scheduling: bool) -> None:
+    """Six constrained requests of ~32 tokens in a KV cache of 64: preempted ones resume with their matchers fed the
+    tokens they had, so every output still matches, and equals the same request run alone."""
+    prompts = [f"Make up phone number {i}." for i in range(6)]
+    spec = StructuredOutputsParams(regex=r"\d{3}-\d{4}( ext\. \d{1,6})?")
+    params = constrained(spec, max_tokens=24, ignore_eos=True)
+    alone = LLM(kv_cache_memory_bytes=64 << 20, async_scheduling=async_scheduling)
+    want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in prompts]
+    tight = LLM(num_kv_blocks=16, block_size=4, async_scheduling=async_scheduling, max_num_batched_tokens=16)
+    got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert got == want
+    assert all(re.fullmatch(r"\d{3}-\d{4}( ext\. \d{1,6})?", text) for text in got), got
