@@ -21,21 +21,24 @@ def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
 
 def read_chat_template(value: str | os.PathLike) -> str:
     """The template in a file, or `value` itself when it is one (vLLM's --chat-template takes either), checked
-    for Jinja syntax now rather than at the first chat request."""
+    for Jinja syntax now rather than at the first chat request. A template loops over the messages, so it holds
+    a Jinja tag: the text read from a file passes this check again (the config is copied with replace())."""
     import jinja2
-    import jinja2.sandbox
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"chat_template must be a str or a path, got {type(value).__name__}")
-    if os.path.isfile(value):
+    is_file = os.path.isfile(value)
+    if is_file:
         with open(value, encoding="utf-8") as f:
             template = f.read()
-    elif isinstance(value, str) and ("{{" in value or "{%" in value):
-        template = value
     else:
-        raise ValueError(f"chat_template {os.fspath(value)!r} is neither a file nor a Jinja template")
-    try:  # the environment transformers renders chat templates in (its loop controls included)
-        jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        template = value
+    if not isinstance(template, str) or ("{{" not in template and "{%" not in template):
+        raise ValueError(f"chat_template file {os.fspath(value)!r} holds no Jinja template" if is_file else
+                         f"chat_template {os.fspath(value)!r:.200} is neither a file nor a Jinja template")
+    try:  # transformers' own environment (its extensions, {% generation %} among them)
+        _compile_jinja_template(template)
     except jinja2.TemplateSyntaxError as e:
         raise ValueError(f"chat_template: Jinja syntax error on line {e.lineno}: {e.message}") from None
     return template

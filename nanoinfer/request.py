@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 
 from nanoinfer.kv_cache.hashing import extend_block_hashes
 from nanoinfer.outputs import TokenLogprobs
@@ -72,6 +73,9 @@ class Request:
         # the request's first output. A recompute after preemption writes the same values again.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             None if sampling_params.prompt_logprobs is None else [None] * len(prompt_token_ids))
+        # Structured outputs: the grammar compiling in the engine core's grammar thread; the scheduler admits the
+        # request once it is done.
+        self.grammar: Future | None = None
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         """The prompt's logprobs, once (for the request's first output); None after, or if not asked for."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from types import SimpleNamespace
 from unittest import mock
 
@@ -59,6 +61,13 @@ def test_chat_template_from_a_file_or_inline_is_checked_at_once(tmp_path) -> Non
         EngineConfig(chat_template="{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
     with pytest.raises(TypeError, match="chat_template"):
         EngineConfig(chat_template=3)
+    (tmp_path / "plain.txt").write_text("no template here")
+    with pytest.raises(ValueError, match="holds no Jinja template"):
+        EngineConfig(chat_template=str(tmp_path / "plain.txt"))
+    # transformers' own tags (its extensions) pass, and a config copied with replace() keeps its template.
+    tagged = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    config = EngineConfig(chat_template=tagged)
+    assert dataclasses.replace(config, seed=1).chat_template == tagged
 
 
 def test_chat_template_replaces_the_tokenizers(tiny_models, smollm2_path) -> None:

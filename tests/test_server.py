@@ -5,6 +5,7 @@ official `openai` client and httpx."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -323,6 +324,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
                                                                                       ref.outputs[0].token_ids)])
             assert lp.text_offset[len(ids)] == len(prompt)
     assert "".join(c.choices[0].text for c in streamed) == out.text
+    # Every chunk's offsets count from the start of the whole choice, the echoed prompt included.
+    assert [o for c in streamed for o in c.choices[0].logprobs.text_offset] == out.logprobs.text_offset
     # max_tokens 0 with echo scores the prompt alone (vLLM's reading): its text and logprobs, nothing generated.
     for stream in (False, True):
         got = client.completions.create(**{**kw, "max_tokens": 0}, stream=stream,
@@ -475,6 +478,9 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "no-such-type"}}}, 400,
      "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": functools.reduce(
+        lambda inner, _: {"type": "array", "items": [inner]}, range(300), {})}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "echo"),

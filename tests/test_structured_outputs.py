@@ -18,6 +18,13 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 PHONE = r"\d{3}-\d{4}"
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for i in range(levels // 2):  # two JSON levels per schema level
+        schema = {"type": "object", "properties": {f"k{i}": schema}}
+    return schema
+
+
 def constrained(spec: StructuredOutputsParams, max_tokens: int = 64, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec, **kw)
 
@@ -70,11 +77,17 @@ def test_bad_grammars_are_refused_before_the_engine(smol: LLM) -> None:
         (dict(json=3), TypeError, "structured_outputs.json"),
         (dict(choice=[]), TypeError, "structured_outputs.choice"),
         (dict(json_object="yes"), TypeError, "json_object"),
+        (dict(json="{not json"), ValueError, "not valid JSON"),
+        (dict(json="[1, 2]"), ValueError, "must be a JSON object"),
+        (dict(json=_nested(70)), ValueError, "nests deeper than 64 levels"),
     ):
         with pytest.raises(error, match=match):
             StructuredOutputsParams(**kwargs)
     with pytest.raises(ValueError, match="unknown fields"):
         SamplingParams(structured_outputs={"schema": {}})
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs={"regex": "a"})
+    assert StructuredOutputsParams(json=PERSON).json == json.dumps(PERSON)  # kept as text: flat on the wire
     assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs == StructuredOutputsParams(regex="a")
     assert not smol.engine.has_unfinished_requests()
     assert core.scheduler.kv_cache_manager.num_free_blocks == core.num_blocks
@@ -117,3 +130,40 @@ def test_grammars_hold_through_preemption(smollm2_path, async_scheduling: bool) 
     assert tight.engine.core.scheduler.num_preemptions > 0
     assert got == want
     assert all(re.fullmatch(r"\d{3}-\d{4}( ext\. \d{1,6})?", text) for text in got), got
+
+
+def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, monkeypatch, tmp_path_factory) -> None:
+    """The core compiles a grammar in its own thread and admits the request when it is done: meanwhile the
+    running requests go on."""
+    import threading
+
+    from test_server import tiny_model_with_smollm2_vocab
+
+    from nanoinfer.sample.structured import GrammarCompiler
+
+    release = threading.Event()
+    compile_ = GrammarCompiler.compile
+
+    def slow(self, spec):
+        if spec.regex == "slow":
+            assert release.wait(60)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", slow)
+    llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20)
+    engine = llm.engine
+    engine.input_processor.check_grammar = lambda spec: None  # admission's own compile is the server's concern
+    engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.add_request("constrained", [4, 5, 6], constrained(StructuredOutputsParams(regex="slow"), max_tokens=8))
+    plain_tokens = 0
+    for _ in range(20):
+        for out in engine.step():
+            assert out.request_id == "plain"  # the constrained one waits for its grammar
+            plain_tokens = len(out.outputs[0].token_ids)
+    assert plain_tokens >= 15
+    assert [r.request_id for r in engine.core.scheduler.waiting] == ["constrained@1"]
+    release.set()
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert finished["constrained"].outputs[0].text == "slow"

@@ -117,6 +117,8 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self._check_alive()
+        if request.sampling_params.structured_outputs is not None:  # compiles beside the steps until admitted
+            request.grammar = self.runner.grammar_compiler().compile_async(request.sampling_params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

@@ -60,7 +60,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is not all computed yet
-        self.tokenizer_path = tokenizer_path  # for structured outputs' grammars (`_grammar_compiler`)
+        self.tokenizer_path = tokenizer_path  # for structured outputs' grammars (`grammar_compiler`)
         self.grammars: GrammarCompiler | None = None
         self.kv_cache: torch.Tensor | None = None
         self.cuda_graphs: CUDAGraphRunner | None = None
@@ -361,13 +361,13 @@ class ModelRunner:
             stop_token_ids=[self._min_tokens_stop_ids(s) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
-            allowed_tokens=(structured, self._grammar_compiler().bitmask([self._matcher(states[i]) for i in structured]))
+            allowed_tokens=(structured, self.grammar_compiler().bitmask([self._matcher(states[i]) for i in structured]))
             if structured else None,
         )
         self.last_sampling = (req_ids, metadata) if reusable else None
         return metadata
 
-    def _grammar_compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
         """Built at the first structured-output request (it loads the tokenizer: ~0.2-1 s once)."""
         if self.grammars is None:
             from nanoinfer.engine.llm_engine import load_tokenizer
@@ -381,7 +381,7 @@ class ModelRunner:
     def _matcher(self, state: CachedRequestState):
         """The request's grammar matcher, made at its first sampling (after a preemption: fed its outputs)."""
         if state.matcher is None:
-            state.matcher = self._grammar_compiler().matcher(state.sampling_params.structured_outputs,
+            state.matcher = self.grammar_compiler().matcher(state.sampling_params.structured_outputs,
                                                              state.token_ids[state.prompt_len:])
         return state.matcher
 

@@ -3,13 +3,16 @@ constrains which tokens a request may sample next. xgrammar (vLLM's default back
 the tokenizer's vocabulary and, per request, a matcher follows the tokens sampled so far and fills a bitmask of
 the tokens allowed next; the sampler sets every other token's logit to -inf.
 
-The front end compiles a request's grammar once at admission (a bad schema is the caller's error, before
-anything enters the engine); the sampling rank compiles it again (cached per grammar) to make the request's
-matcher, fed every sampled token, also after a preemption replays them."""
+The front end compiles a request's grammar once at admission, off the server's event loop (a bad schema is the
+caller's error, before anything enters the engine). The engine core compiles it again in a thread of its own
+(xgrammar releases the GIL; a wide schema takes seconds), and the scheduler admits the request only once that
+is done, so a slow grammar delays its own request, never the running ones. The sampling rank then makes the
+request's matcher, fed every sampled token (also those a preemption replays)."""
 
 from __future__ import annotations
 
-import json
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,8 @@ class GrammarCompiler:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info)
         self.vocab_size = vocab_size
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # the latest 256 grammars
         # Once a matcher has accepted a stop token only stop tokens may follow (the output is complete): a step
         # planned before the request's end was seen, or a request that ignores eos.
         bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
@@ -35,12 +40,21 @@ class GrammarCompiler:
         self.stop_only = torch.from_numpy(np.packbits(bits.reshape(-1, 32)[:, ::-1]).view(">u4").astype(np.uint32)
                                           .view(np.int32))
 
+    def compile_async(self, spec: StructuredOutputsParams) -> Future:
+        """The compiled grammar of `spec`, compiled in this compiler's thread (once per grammar while it is among
+        the latest 256)."""
+        key = spec.key
+        if key not in self._compiled:
+            self._compiled[key] = self._thread.submit(self.compile, spec)
+            if len(self._compiled) > 256:
+                self._compiled.popitem(last=False)
+        return self._compiled[key]
+
     def compile(self, spec: StructuredOutputsParams) -> Any:
-        """The compiled grammar of `spec` (xgrammar caches compilations); ValueError naming what is wrong."""
+        """The compiled grammar of `spec`; ValueError naming what is wrong."""
         try:
             if spec.json is not None:
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return self.compiler.compile_json_schema(schema)
+                return self.compiler.compile_json_schema(spec.json)
             if spec.json_object:
                 return self.compiler.compile_builtin_json_grammar()
             if spec.regex is not None:
@@ -53,7 +67,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Any:
         """A matcher for `spec` that has accepted `output_token_ids` (a request resumed after preemption)."""
-        matcher = self.xgr.GrammarMatcher(self.compile(spec))
+        matcher = self.xgr.GrammarMatcher(self.compile_async(spec).result())
         for token_id in output_token_ids:
             matcher.accept_token(token_id)
         return matcher

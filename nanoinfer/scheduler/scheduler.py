@@ -136,8 +136,12 @@ class Scheduler:
             index += 1
 
         # Admit waiting requests only when nothing had to be preempted this step.
+        not_ready = []  # requests whose grammar still compiles (structured outputs): they keep their place
         while not preempted_any and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.grammar is not None and not request.grammar.done():
+                not_ready.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
@@ -161,6 +165,8 @@ class Scheduler:
             )
             out.num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
+        for request in reversed(not_ready):
+            self.waiting.push(request, front=True)
 
         # Tokens count as computed once scheduled, and a request that reaches its end
         # gets a placeholder for the token being sampled, so the next step can be

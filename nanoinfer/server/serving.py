@@ -49,9 +49,11 @@ def _event(payload: dict) -> str:
 
 
 def _without_generated(output: RequestOutput) -> RequestOutput:
-    """The output with its completions' tokens, text and logprobs left out (echo with max_tokens 0)."""
+    """The output with its completions' tokens, text and logprobs left out (echo with max_tokens 0): what
+    ended the hidden token (a stop string, eos) is not the response's reason, its length is."""
     return dataclasses.replace(output, outputs=[
-        dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+        dataclasses.replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [],
+                            finish_reason=None if c.finish_reason is None else "length", stop_reason=None)
         for c in output.outputs])
 
 
@@ -145,20 +147,21 @@ class OpenAIServing:
         self.log_prompts = log_prompts
         self.tokenizer = client.tokenizer
         self.accepting = True  # False while draining for shutdown
-        # Large requests are tokenized here (`_tokenizing`), one at a time in arrival order.
+        # Large requests are tokenized here, and grammars compiled (`_tokenizing`), one at a time in arrival order.
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         if self.tokenizer is not None:
             # transformers clears a tokenizer.json's truncation / padding on the first encode: a write that would
             # race with the event loop's decodes ("Already borrowed") if it first happened in the thread.
             self.tokenizer.encode("warm-up")
 
-    async def _tokenizing(self, raw: Request, fn: Callable, *args):
-        """fn(*args), which tokenizes (or renders a chat template), where it cannot stall the streams in flight:
-        for a large body in the tokenizer thread (the tokenizer releases the GIL: 2 MB of text took ~1.5 s on a
-        CPU core, during which every stream stood still), for a small one on the event loop (a few ms at most;
-        handing every request to the thread cost ~0.5 ms of median time to first token at 16 req/s on an H200
-        host, the thread waiting for the GIL while the loop streams)."""
-        if raw.state.body_size <= _OFF_LOOP_BODY_BYTES:
+    async def _tokenizing(self, raw: Request, fn: Callable, *args, grammar: bool = False):
+        """fn(*args), which tokenizes (or renders a chat template, or compiles a `grammar`), where it cannot stall
+        the streams in flight: in the tokenizer thread for a large body or a grammar (the tokenizer and xgrammar
+        release the GIL: 2 MB of text took ~1.5 s on a CPU core, a schema of 1,500 properties 3.6 s, during which
+        every stream stood still), on the event loop for a small body (a few ms at most; handing every request
+        to the thread cost ~0.5 ms of median time to first token at 16 req/s on an H200 host, the thread waiting
+        for the GIL while the loop streams)."""
+        if raw.state.body_size <= _OFF_LOOP_BODY_BYTES and not grammar:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
@@ -173,21 +176,26 @@ class OpenAIServing:
         req.check_supported()
         # echo with max_tokens 0 scores the prompt alone (as vLLM): one token is made, and left out of the response.
         echo_only = req.echo and req.max_tokens == 0
+        if echo_only and req.min_tokens:
+            raise ApiError(400, "min_tokens must be 0 with max_tokens 0", "min_tokens")
         params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, {})
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as in OpenAI's API
             params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._generate(request_id, req.prompts, params, req, {}, raw)
         prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
+        echoed: dict[int, int] = {}  # per choice: the echoed prompt's length, where its generated text starts
 
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
             echo = self._prompt_text(d.output) if req.echo and d.first else ""
+            if d.first:
+                echoed[d.index] = len(echo)
             logprobs = None
             if c.logprobs is not None:
                 if d.output.prompt_logprobs is not None:
                     prompt_logprobs[d.output.request_id] = d.output.prompt_logprobs
-                logprobs = self._completion_logprobs(c.token_ids, c.logprobs, len(echo) + d.text_offset)
+                logprobs = self._completion_logprobs(c.token_ids, c.logprobs, echoed[d.index] + d.text_offset)
                 if echo:
                     known = prompt_logprobs.get(d.output.request_id)  # none if it ended before its first token
                     prompt = self._completion_logprobs(d.output.prompt_token_ids,
@@ -307,7 +315,7 @@ class OpenAIServing:
             return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt)
 
         try:
-            prompts, admitted = await self._tokenizing(raw, admit)
+            prompts, admitted = await self._tokenizing(raw, admit, grammar=params.structured_outputs is not None)
             if not self.accepting:  # the drain began while the prompt was tokenized
                 raise ApiError(503, "the server is shutting down")
             if self.log_prompts:
