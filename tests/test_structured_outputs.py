@@ -136,6 +136,7 @@ def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, m
     """The core compiles a grammar in its own thread and admits the request when it is done: meanwhile the
     running requests go on."""
     import threading
+    import time
 
     from test_server import tiny_model_with_smollm2_vocab
 
@@ -162,6 +163,11 @@ def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, m
             plain_tokens = len(out.outputs[0].token_ids)
     assert plain_tokens >= 15
     assert [r.request_id for r in engine.core.scheduler.waiting] == ["constrained@1"]
+    while "plain@0" in engine.core.scheduler.requests or engine.core.in_flight is not None:
+        engine.step()
+    start = time.monotonic()
+    assert engine.step() == []  # nothing runs: the step waits on the grammar (up to 50 ms), not a busy loop
+    assert time.monotonic() - start >= 0.04
     release.set()
     finished = {}
     while engine.has_unfinished_requests():

@@ -6,6 +6,7 @@ in the front end (`LLMEngine`), so the core can run in its own process."""
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import gc
 import logging
 import os
@@ -137,6 +138,8 @@ class EngineCore:
         self._check_alive()
         try:
             scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty and self.in_flight is None:
+                self._wait_for_grammars()
             future = (self.tp_driver or self.runner).execute_model(scheduler_output)
             if self.async_scheduling:
                 future, self.in_flight = self.in_flight, future
@@ -147,6 +150,13 @@ class EngineCore:
             self.error = f"the engine stopped after a step failed ({type(e).__name__}: {e}); create a new engine"
             raise
         return outputs
+
+    def _wait_for_grammars(self, timeout: float = 0.05) -> None:
+        """Nothing to run but requests whose grammar still compiles: wait for one (briefly: the caller may have
+        other work, such as the server's incoming messages) instead of stepping in a busy loop."""
+        pending = [r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.grammar.done()]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _check_alive(self) -> None:
         if self.error is not None:
