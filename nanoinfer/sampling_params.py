@@ -89,6 +89,9 @@ def _schema_text(schema: object) -> str:
     return text if text is not None else json.dumps(schema)
 
 
+_GRAMMAR_FIELDS = ("json", "regex", "choice", "grammar")  # StructuredOutputsParams' fields besides json_object
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's names): exactly one of a JSON schema (`json`, a dict or its JSON text;
@@ -103,7 +106,7 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         _check_bool("structured_outputs.json_object", self.json_object)
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given = [k for k in _GRAMMAR_FIELDS if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
             raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice and grammar; "
@@ -122,15 +125,14 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
 
     @property
-    def key(self) -> tuple[str, str]:
-        """One grammar, one key (for caching its compilation)."""
-        value = {"json": self.json, "regex": self.regex, "grammar": self.grammar, "json_object": ""}.get(self.kind)
-        return self.kind, value if value is not None else "\x00".join(self.choice)
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(k for k in _GRAMMAR_FIELDS if getattr(self, k) is not None)
 
     @property
-    def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
-            if not self.json_object else "json_object"
+    def key(self) -> tuple[str, str]:
+        """One grammar, one key (for caching its compilation)."""
+        value = "" if self.json_object else getattr(self, self.kind)
+        return self.kind, value if isinstance(value, str) else "\x00".join(value)
 
 
 @dataclass

@@ -153,7 +153,9 @@ def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, m
     monkeypatch.setattr(GrammarCompiler, "compile", slow)
     llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20)
     engine = llm.engine
-    engine.input_processor.check_grammar = lambda spec: None  # admission's own compile is the server's concern
+    # Offline, admission shares the core's compiler and would wait for this compile; the server admits in its own
+    # process, so what is left to show is the core's side.
+    engine.input_processor.check_grammar = lambda spec: None
     engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     engine.add_request("constrained", [4, 5, 6], constrained(StructuredOutputsParams(regex="slow"), max_tokens=8))
     plain_tokens = 0
@@ -173,3 +175,16 @@ def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, m
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     assert finished["constrained"].outputs[0].text == "slow"
+
+
+def test_offline_a_grammar_compiles_once(smol: LLM, monkeypatch) -> None:
+    """In one process, admission's check and the engine core share one compiler and its cache."""
+    from nanoinfer.sample.structured import GrammarCompiler
+
+    calls = []
+    compile_ = GrammarCompiler.compile
+    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: calls.append(spec) or compile_(self, spec))
+    spec = StructuredOutputsParams(regex=r"[0-9]{2}-once")
+    out = smol.generate(["a", "b"], constrained(spec, max_tokens=8, n=2), use_tqdm=False)
+    assert all(re.fullmatch(r"[0-9]{2}-once", c.text) for o in out for c in o.outputs)
+    assert calls == [spec]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nanoinfer.request import Request
@@ -39,15 +40,19 @@ class EngineLimits:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, limits: EngineLimits) -> None:
+    def __init__(self, tokenizer, limits: EngineLimits,
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None) -> None:
+        """`grammar_compiler`: the engine core's, where the core runs in this process (one compiler and cache for
+        both, so a grammar compiles once); otherwise this processor builds its own at the first grammar."""
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_compiler = grammar_compiler or self._own_grammar_compiler
         # No token of the vocabulary spells more characters than its own (byte-level or sentencepiece) string,
         # so text longer than this cannot fit in max_model_len tokens: refused before the tokenizer spends
         # seconds on it (4 MB of text: ~5 s, on the server's event loop).
         self.max_prompt_chars = None if tokenizer is None else limits.max_model_len * max(
             map(len, tokenizer.get_vocab()), default=1)
-        self.grammars: GrammarCompiler | None = None  # structured outputs: made at the first such request
+        self.grammars: GrammarCompiler | None = None
 
     def check_prompt_chars(self, num_chars: int) -> None:
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
@@ -111,12 +116,15 @@ class InputProcessor:
 
     def check_grammar(self, spec: StructuredOutputsParams) -> None:
         """A schema, regex or grammar that cannot compile is the caller's error (ValueError), found before the
-        request enters the engine (the core compiles it again, from xgrammar's cache after the first time)."""
+        request enters the engine (the core's compile of it is then a cache hit where it shares the compiler)."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer: this model has none (give tokenizer=PATH)")
+        self.grammar_compiler().compile_async(spec).result()
+
+    def _own_grammar_compiler(self) -> GrammarCompiler:
         if self.grammars is None:
             self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
-        self.grammars.compile(spec)
+        return self.grammars
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.limits.max_tokens_per_request

@@ -54,7 +54,7 @@ class LLMEngine:
         source, self.tokenizer = load_model_and_tokenizer(config)
         self.core = EngineCore(config, source)
         self.limits = self.core.limits()
-        self.input_processor = InputProcessor(self.tokenizer, self.limits)
+        self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._admissions = itertools.count()
 

@@ -3,10 +3,11 @@ constrains which tokens a request may sample next. xgrammar (vLLM's default back
 the tokenizer's vocabulary and, per request, a matcher follows the tokens sampled so far and fills a bitmask of
 the tokens allowed next; the sampler sets every other token's logit to -inf.
 
-The front end compiles a request's grammar once at admission, off the server's event loop (a bad schema is the
-caller's error, before anything enters the engine). The engine core compiles it again in a thread of its own
-(xgrammar releases the GIL; a wide schema takes seconds), and the scheduler admits the request only once that
-is done, so a slow grammar delays its own request, never the running ones. The sampling rank then makes the
+The front end compiles a request's grammar at admission, off the server's event loop (a bad schema is the
+caller's error, before anything enters the engine). The engine core compiles it in a thread of its own (xgrammar
+releases the GIL; a wide schema takes seconds), and the scheduler admits the request only once that is done, so
+a slow grammar delays its own request, never the running ones. Offline both sides share the core's compiler, so
+a grammar compiles once; the server's two processes each compile it. The sampling rank then makes the
 request's matcher, fed every sampled token (also those a preemption replays)."""
 
 from __future__ import annotations
