@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoinfer.server.protocol import ApiError, ChatCompletionRequest, parse_body
-from nanoinfer.server.tool_calls import (HermesToolCalls, NamedToolCall, RequiredToolCalls, parameters_schema,
-                                         required_schema)
+from nanoinfer.server.tool_calls import (TOOL_CALL_PARSERS, HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls,
+                                         NamedToolCall, RequiredToolCalls, parameters_schema, required_schema)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -103,6 +103,89 @@ def test_hermes_streamed_in_any_pieces_reads_as_whole(pieces, cuts):
     whole text; and what is neither a call nor dropped between calls comes back as content."""
     text = "".join(pieces)
     assert read(HermesToolCalls(), split(text, cuts)) == read(HermesToolCalls(), [text])
+
+
+# ----- llama3_json and mistral (tool_choice "auto") -----
+
+
+def test_llama3_json_reads_calls_after_the_python_tag_or_a_brace():
+    calls = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    text = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}'
+    extractor = Llama3JsonToolCalls()
+    assert read(extractor, [text]) == ("", calls) and extractor.finish_reason("stop") == "tool_calls"
+    bare = '\n{"name": "get_weather", "arguments": {"city": "Paris"}};{"name": "get_time"}'  # "arguments" read too
+    assert read(Llama3JsonToolCalls(), [bare]) == ("", calls)
+    assert read(Llama3JsonToolCalls(parallel=False), [text]) == ("", calls[:1])
+
+
+def test_llama3_json_reply_that_is_not_calls_is_content():
+    extractor = Llama3JsonToolCalls()
+    assert read(extractor, ['It is {"name": "x"} I think']) == ('It is {"name": "x"} I think', [])
+    assert extractor.finish_reason("stop") == "stop"
+    assert read(Llama3JsonToolCalls(), ["<|python"]) == ("<|python", [])  # the tag never completed: text
+    cut = '{"name": "get_weather", "parameters": {"ci'  # cut short by max_tokens: the whole reply as it came
+    assert read(Llama3JsonToolCalls(), [cut]) == (cut, [])
+    after = '{"name": "get_time", "parameters": {}}; and some words'
+    assert read(Llama3JsonToolCalls(), [after]) == ("and some words", [("get_time", "{}")])
+
+
+def test_llama3_json_waits_while_the_reply_may_open_with_the_tag():
+    extractor = Llama3JsonToolCalls()
+    assert extractor.feed(" <|python_", False) == ("", [])
+    assert extractor.feed('tag|>{"name": "get_time", "parameters": {}}', False)[1][0]["function"]["name"] == "get_time"
+    other = Llama3JsonToolCalls()
+    assert other.feed("<|pyt", False) == ("", []) and other.feed("hon is a language", False) == \
+        ("<|python is a language", []) and other.feed(" indeed", True) == (" indeed", [])
+
+
+def test_mistral_reads_both_call_forms_after_content():
+    calls = [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    array = 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", ' \
+            '"arguments": {}}]'
+    extractor = MistralToolCalls()
+    assert read(extractor, [array]) == ("Sure. ", calls) and extractor.finish_reason("stop") == "tool_calls"
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
+    assert read(MistralToolCalls(), [v11]) == ("", calls)
+    assert read(MistralToolCalls(parallel=False), [v11]) == ("", calls[:1])
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse a conversation whose tool call ids are not 9 alphanumerics."""
+    _, deltas = MistralToolCalls().feed('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_time[ARGS]{}', True)
+    ids = [d["id"] for d in deltas]
+    assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids) and len(set(ids)) == 2
+
+
+def test_mistral_text_that_is_not_a_call_is_content():
+    assert read(MistralToolCalls(), ["no calls [TOOL"]) == ("no calls [TOOL", [])
+    assert read(MistralToolCalls(), ["[TOOL_CALLS] what? "]) == ("[TOOL_CALLS] what? ", [])
+    cut = '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa'
+    assert read(MistralToolCalls(), [cut]) == (cut, [])
+    assert read(MistralToolCalls(), ['[TOOL_CALLS]get_time[ARGS]{} then words']) == ("then words", [("get_time", "{}")])
+    assert read(MistralToolCalls(), ["[TOOL_CALLS]bad name[ARGS]{}"]) == ("[TOOL_CALLS]bad name[ARGS]{}", [])
+
+
+_LLAMA_TEXTS = ['<|python_tag|>{"name": "f", "parameters": {"a": "};"}}; {"name": "g", "parameters": {"b": [1, {}]}}',
+                ' {"name": "f", "arguments": {}};{"name": "g", "parameters": {}} tail', "Just words; {}",
+                '{"name": "f", "parameters": {"a"']
+_MISTRAL_TEXTS = ['Hi [TOOL_CALLS][{"name": "f", "arguments": {"a": "[TOOL_CALLS]"}}, {"name": "g", "arguments": {}}]',
+                  'x[TOOL_CALLS]f[ARGS]{"a": "}"}[TOOL_CALLS]g[ARGS] {"b": [1]} tail', "[TOOL_CALLS]f[AR",
+                  "[TOOL_", "[TOOL_CALLS]f[ARGS]{"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=st.sampled_from([(Llama3JsonToolCalls, t) for t in _LLAMA_TEXTS] +
+                            [(MistralToolCalls, t) for t in _MISTRAL_TEXTS]),
+       cuts=st.lists(st.integers(0, 200), max_size=10))
+def test_llama3_json_and_mistral_streamed_in_any_pieces_read_as_whole(case, cuts):
+    parser, text = case
+    assert read(parser(), split(text, cuts)) == read(parser(), [text])
+
+
+def test_every_auto_parser_is_served():
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    for name, parser in TOOL_CALL_PARSERS.items():
+        assert isinstance(chat_request(tools=[WEATHER]).tool_call_extractor(name), parser)
 
 
 # ----- tool_choice "required" and named -----

@@ -5,8 +5,9 @@ How a reply becomes tool calls depends on `tool_choice`:
   whole text is its arguments;
 - "required": the output is constrained to a JSON array of `{"name", "parameters"}` objects, one per call, each
   matching one tool;
-- "auto": the model decides, in its own format, which a parser reads back out of the text. `hermes` is the format
-  of Qwen2.5 / Qwen3, Hermes and many others: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- "auto": the model decides, in its own format, which a parser (`--tool-call-parser`) reads back out of the text:
+  `hermes`, the format of Qwen2.5 / Qwen3, Hermes and many others: `<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>`; `llama3_json`, Llama 3.1-3.3's JSON calls; `mistral`, Mistral's `[TOOL_CALLS]`.
 
 An extractor turns one choice's text into (content, tool call deltas) as the text arrives, so a stream and a whole
 response are made by the same code: fed all the text at once, it gives each call in one delta."""
@@ -14,10 +15,13 @@ response are made by the same code: fed all the text at once, it gives each call
 from __future__ import annotations
 
 import json
+import random
+import string
 import uuid
 from abc import ABC, abstractmethod
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")  # of a function name, as OpenAI allows
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:
@@ -64,8 +68,11 @@ class ToolCallExtractor(ABC):
         if self.num_calls and not self.parallel:
             return []
         self.num_calls += 1
-        return [{"index": self.num_calls - 1, "id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+        return [{"index": self.num_calls - 1, "id": self._new_id(), "type": "function",
                  "function": {"name": name, "arguments": arguments}}]
+
+    def _new_id(self) -> str:
+        return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 class NamedToolCall(ToolCallExtractor):
@@ -84,37 +91,60 @@ class NamedToolCall(ToolCallExtractor):
         return "", [{"index": 0, "function": {"arguments": text}}] if text else []
 
 
+class _CallObjects:
+    """Reads call objects (`{"name": ..., <arguments key>: {...}}`) one after another out of a growing text, each
+    character once, skipping `separators` between them. `parsed`: where the text after the last call read
+    starts; `stuck`: an element was not a call (the caller gives the rest back as content)."""
+
+    def __init__(self, start: int, separators: str, keys: tuple[str, ...]) -> None:
+        self.parsed, self.separators, self.keys = start, separators, keys
+        self.element: tuple[str | None, _ObjectScanner] | None = None  # (its name if given apart, its JSON) being read
+        self.stuck = False
+
+    def read(self, text: str, final: bool = False) -> list[tuple[str, str]]:
+        """The (name, arguments) of each call that `text` (all of it so far) completes since the last read."""
+        calls = []
+        while not self.stuck:
+            if self.element is None:
+                self.element = self._next(text, final)
+                if self.element is None:
+                    break
+            name, scanner = self.element
+            end = scanner.end(text)
+            if end is None:
+                break
+            if name is None:
+                call = _call_of(text[scanner.start:end], self.keys)
+            else:
+                arguments = _parse(text[scanner.start:end])
+                call = (name, json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+            if call is None:
+                self.stuck = True
+                break
+            calls.append(call)
+            self.parsed, self.element = end, None
+        return calls
+
+    def _next(self, text: str, final: bool) -> tuple[str | None, _ObjectScanner] | None:
+        """The next element after `parsed`: (None, its object's scanner); None while there is none yet (or, having
+        set `stuck`, if it is not a call)."""
+        start = _skip(text, self.parsed, self.separators)
+        return (None, _ObjectScanner(start)) if start < len(text) and text[start] == "{" else None
+
+
 class RequiredToolCalls(ToolCallExtractor):
     """tool_choice "required": the text is a JSON array of {"name", "parameters"}; each call is sent once its
-    object is complete (each character is scanned once). Text the grammar did not get to finish (max_tokens)
-    comes back as content."""
+    object is complete. Text the grammar did not get to finish (max_tokens) comes back as content."""
 
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self.buffer = ""
-        self.parsed = 0  # where the text after the last call read starts
-        self.element: _ObjectScanner | None = None  # the array element being read
-        self.stuck = False  # an element that is not a call: the rest is content
+        self.objects = _CallObjects(0, " \t\r\n[,", ("parameters",))
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         self.buffer += text
-        calls = []
-        while not self.stuck:
-            if self.element is None:
-                start = _skip(self.buffer, self.parsed, " \t\r\n[,")
-                if start == len(self.buffer) or self.buffer[start] != "{":
-                    break
-                self.element = _ObjectScanner(start)
-            end = self.element.end(self.buffer)
-            if end is None:
-                break
-            call = _call_of(self.buffer[self.element.start:end], "parameters")
-            if call is None:
-                self.stuck = True
-                break
-            calls += self._call(*call)
-            self.parsed, self.element = end, None
-        rest = self.buffer[self.parsed:]
+        calls = [delta for call in self.objects.read(self.buffer) for delta in self._call(*call)]
+        rest = self.buffer[self.objects.parsed:]
         if not final or not rest.strip(" \t\r\n],"):
             return "", calls
         return (rest.lstrip(" \t\r\n,") if self.num_calls else rest), calls
@@ -185,7 +215,7 @@ class HermesToolCalls(ToolCallExtractor):
             if end is not None:
                 close = _skip(self.buffer, end, " \t\r\n")
                 if self.buffer.startswith(self.CLOSE, close) or (final and close == len(self.buffer)):
-                    call = _call_of(self.buffer[self.json.start:end], "arguments")
+                    call = _call_of(self.buffer[self.json.start:end], ("arguments",))
                     if call is not None:
                         return call, min(close + len(self.CLOSE), len(self.buffer))
                 elif not final and self.CLOSE.startswith(self.buffer[close:]):
@@ -196,6 +226,111 @@ class HermesToolCalls(ToolCallExtractor):
         if close < 0 and not final:
             return None
         return None, len(self.buffer) if close < 0 else close + len(self.CLOSE)
+
+
+class Llama3JsonToolCalls(ToolCallExtractor):
+    """tool_choice "auto" with the llama3_json parser (Llama 3.1-3.3 with a JSON tool-calling chat template): a reply
+    that opens with `<|python_tag|>` or `{` is calls, `{"name": ..., "parameters": {...}}` ("arguments" is read
+    too), several separated by ";"; any other reply is content. If no call could be read, the whole reply comes
+    back as content; text after the calls that is not one, as content after them."""
+
+    TAG = "<|python_tag|>"
+    _BLANKS = " \t\r\n"
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self.buffer = ""
+        self.objects: _CallObjects | None = None  # once the reply is known to be calls
+        self.is_content = False
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        if self.is_content:
+            return text, []
+        self.buffer += text
+        if self.objects is None:
+            start = _skip(self.buffer, 0, self._BLANKS)
+            head = self.buffer[start:]
+            if head.startswith(self.TAG) or head.startswith("{"):
+                start += len(self.TAG) if head.startswith(self.TAG) else 0
+                self.objects = _CallObjects(start, self._BLANKS + ";", ("parameters", "arguments"))
+            elif not final and self.TAG.startswith(head):  # blanks, or what may begin the tag, so far
+                return "", []
+            else:
+                self.is_content = True
+                return self.buffer, []
+        calls = [delta for call in self.objects.read(self.buffer) for delta in self._call(*call)]
+        rest = self.buffer[self.objects.parsed:]
+        if not final or not rest.strip(self._BLANKS + ";"):
+            return "", calls
+        return (rest.lstrip(self._BLANKS + ";") if self.num_calls else self.buffer), calls
+
+
+class MistralToolCalls(ToolCallExtractor):
+    """tool_choice "auto" with the mistral parser: text before `[TOOL_CALLS]` is content, what follows is calls,
+    either a JSON array of {"name", "arguments"} (tokenizers up to v7: Mistral 7B v0.3, Mixtral 8x22B, Nemo) or
+    `name[ARGS]{...}` (v11 on), each after its own [TOOL_CALLS]. Text there that is not a call comes back as
+    content (all of it, tag included, if no call was read). Call ids are 9 letters and digits: Mistral's chat
+    templates refuse the calls they are given back with any other."""
+
+    TAG = "[TOOL_CALLS]"
+    _ID_CHARS = string.ascii_letters + string.digits
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self.buffer = ""  # before the first tag: content not yet sent; after it: the text after the tag
+        self.objects: _MistralCalls | None = None  # after the first tag
+
+    def _new_id(self) -> str:
+        return "".join(random.choices(self._ID_CHARS, k=9))
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        self.buffer += text
+        content = ""
+        if self.objects is None:
+            start = self.buffer.find(self.TAG)
+            if start < 0:
+                content, self.buffer = release(self.buffer, self.TAG, final)
+                return content, []
+            content, self.buffer = self.buffer[:start], self.buffer[start + len(self.TAG):]
+            self.objects = _MistralCalls()
+        calls = [delta for call in self.objects.read(self.buffer, final) for delta in self._call(*call)]
+        rest = self.buffer[self.objects.parsed:]
+        if final and rest.strip(_MistralCalls.BETWEEN + "["):
+            content += rest.lstrip(_MistralCalls.BETWEEN) if self.num_calls else self.TAG + self.buffer
+        return content, calls
+
+
+class _MistralCalls(_CallObjects):
+    """The calls after Mistral's first [TOOL_CALLS]: objects in an array, or `name[ARGS]{...}` after each tag."""
+
+    ARGS = "[ARGS]"
+    BETWEEN = " \t\r\n,]"  # between calls (and the array's end); "[" is read apart: it may begin a tag
+
+    def __init__(self) -> None:
+        super().__init__(0, self.BETWEEN, ("arguments",))
+
+    def _next(self, text: str, final: bool) -> tuple[str | None, _ObjectScanner] | None:
+        tag = MistralToolCalls.TAG
+        while True:
+            self.parsed = _skip(text, self.parsed, self.BETWEEN)
+            rest = text[self.parsed:]
+            if not (rest.startswith(tag) or rest.startswith("[") and not tag.startswith(rest)):
+                break
+            self.parsed += len(tag) if rest.startswith(tag) else 1  # a tag, or the array's start
+        if not rest or (not final and tag.startswith(rest)):
+            return None
+        if rest[0] == "{":
+            return None, _ObjectScanner(self.parsed)
+        split = rest.find(self.ARGS)
+        name = rest[:split] if split >= 0 else release(rest, self.ARGS, final)[0]
+        if not all(c in _NAME_CHARS for c in name) or split == 0 or (split < 0 and final):
+            self.stuck = True
+            return None
+        start = _skip(text, self.parsed + split + len(self.ARGS), " \t\r\n") if split >= 0 else len(text)
+        if start == len(text) or text[start] != "{":
+            self.stuck = final or start < len(text)
+            return None
+        return name, _ObjectScanner(start)
 
 
 class _ObjectScanner:
@@ -238,13 +373,19 @@ def _skip(text: str, pos: int, chars: str) -> int:
     return pos
 
 
-def _call_of(text: str, arguments_key: str) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of a call object's JSON text, or None if it is not one."""
+def _call_of(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call object's JSON text, or None if it is not one; the arguments are
+    under the first of `keys` it has (none: no arguments)."""
+    call = _parse(text)
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    return call["name"], json.dumps(next((call[key] for key in keys if key in call), {}), ensure_ascii=False)
+
+
+def _parse(text: str) -> object:
+    """The JSON value of `text`, or None if it is not JSON."""
     try:
-        call = json.loads(text)
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return None
-        return call["name"], json.dumps(call.get(arguments_key, {}), ensure_ascii=False)
+        return json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: nested too deeply for the json module
         return None
 
@@ -256,4 +397,6 @@ def release(text: str, tag: str, final: bool) -> tuple[str, str]:
     return text[:len(text) - keep], text[len(text) - keep:]
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolCallExtractor]] = {"hermes": HermesToolCalls}  # --tool-call-parser NAME
+# --tool-call-parser NAME
+TOOL_CALL_PARSERS: dict[str, type[ToolCallExtractor]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
+                                                      "mistral": MistralToolCalls}
