@@ -26,6 +26,16 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log probability as `LLM.generate` and the server give it (vLLM's type): its rank in the
+    distribution (1: the most likely) and its text alone (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # requests that produced a token this step (partial prefills did not)
@@ -57,7 +67,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # per token: {token_id: logprob} for the sampled + top-n
+    logprobs: list[dict[int, Logprob]] | None  # per token: {token_id: Logprob} for the sampled + top-n
     finish_reason: str | None
     stop_reason: int | str | None = None
 
@@ -73,9 +83,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    # With SamplingParams.prompt_logprobs: per prompt position {token_id: logprob} for the prompt's own token
+    # With SamplingParams.prompt_logprobs: per prompt position {token_id: Logprob} for the prompt's own token
     # and the top-n (None at position 0). A DELTA output carries them once, in the first output that has them.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold a later DELTA output of this request into this one, so that a reader who fell

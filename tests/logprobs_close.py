@@ -4,11 +4,16 @@ equal up to float32 noise while the tokens must be the same."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from nanoinfer import Logprob
 
-def approx_logprobs(logprobs: list[dict[int, float]] | None) -> list[dict] | None:
-    """`assert out.logprobs == approx_logprobs(ref.logprobs)`."""
+
+def approx_logprobs(logprobs: list[dict[int, Logprob]] | None) -> list[dict] | None:
+    """`assert out.logprobs == approx_logprobs(ref.logprobs)`: ranks and token texts equal, values close."""
     if logprobs is None:
         return None
-    return [{token: pytest.approx(value, rel=1e-4, abs=1e-5) for token, value in d.items()} for d in logprobs]
+    return [{token: dataclasses.replace(value, logprob=pytest.approx(value.logprob, rel=1e-4, abs=1e-5))
+             for token, value in d.items()} for d in logprobs]

@@ -58,8 +58,11 @@ def test_smollm2_logprobs_match_transformers(smol: LLM, smollm2_path: str) -> No
     ours = out.outputs[0].logprobs[0]
     assert len(ours) >= 20
     for token_id, logprob in ours.items():
-        assert abs(logprob - ref[token_id].item()) < 1e-4
+        assert abs(logprob.logprob - ref[token_id].item()) < 1e-4
+        assert logprob.decoded_token == smol.tokenizer.decode([token_id], skip_special_tokens=False)
     assert set(ours) >= set(ref.topk(20).indices.tolist())
+    sampled = out.outputs[0].token_ids[0]  # greedy: the most likely token, rank 1; the others ranked in order
+    assert ours[sampled].rank == 1 and [lp.rank for t, lp in ours.items() if t != sampled] == list(range(2, 21))
 
 
 def test_smollm2_with_fp8_kv_cache_tracks_full_precision(smol: LLM) -> None:
@@ -75,7 +78,7 @@ def test_smollm2_with_fp8_kv_cache_tracks_full_precision(smol: LLM) -> None:
     for a, b in zip(full, ours):
         assert a.token_ids[:8] == b.token_ids[:8]
         first = a.token_ids[0]
-        assert abs(a.logprobs[0][first] - b.logprobs[0][first]) < 0.2
+        assert abs(a.logprobs[0][first].logprob - b.logprobs[0][first].logprob) < 0.2
     fp8.close()
 
 
@@ -388,8 +391,10 @@ def _hf_prompt_logprobs(model_path: str, ids: list[int]) -> torch.Tensor:
 def _check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, top_n: int, tol: float = 1e-4) -> None:
     assert len(entries) == len(ids) and entries[0] is None
     for i, entry in enumerate(entries[1:]):
-        assert entry[ids[i + 1]] == pytest.approx(ref[i, ids[i + 1]].item(), abs=tol)  # the prompt's own token
-        top = sorted(entry.values(), reverse=True)[:top_n]
+        own = entry[ids[i + 1]]  # the prompt's own token, with its rank in the reference's distribution
+        assert own.logprob == pytest.approx(ref[i, ids[i + 1]].item(), abs=tol)
+        assert own.rank == int((ref[i] >= ref[i, ids[i + 1]]).sum())
+        top = sorted((lp.logprob for lp in entry.values()), reverse=True)[:top_n]
         assert top == pytest.approx(ref[i].topk(top_n).values.tolist(), abs=tol)
         assert top_n <= len(entry) <= top_n + 1
 

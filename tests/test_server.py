@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import make_tiny_model
-from nanoinfer import LLM, SamplingParams
+from nanoinfer import LLM, Logprob, SamplingParams
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"
@@ -340,12 +340,12 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.tokens[: len(ids)] == [offline.tokenizer.decode([t]) for t in ids]
         for i in range(1, len(ids)):
-            assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][ids[i]], abs=1e-5)
+            assert lp.token_logprobs[i] == pytest.approx(ref.prompt_logprobs[i][ids[i]].logprob, abs=1e-5)
             assert 1 <= len(lp.top_logprobs[i]) <= 2
         assert lp.text_offset[: len(ids)] == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
         if text is not None:  # the whole response: the prompt's tokens, then the completion's
             assert out.text == prompt + ref.outputs[0].text and len(lp.tokens) == len(ids) + 2
-            assert lp.token_logprobs[len(ids):] == pytest.approx([d[t] for d, t in zip(ref.outputs[0].logprobs,
+            assert lp.token_logprobs[len(ids):] == pytest.approx([d[t].logprob for d, t in zip(ref.outputs[0].logprobs,
                                                                                       ref.outputs[0].token_ids)])
             assert lp.text_offset[len(ids)] == len(prompt)
     assert "".join(c.choices[0].text for c in streamed) == out.text
@@ -363,6 +363,41 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
         assert usage.prompt_tokens == len(ids)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo there is nothing to return
         client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+
+
+def test_prompt_logprobs_as_vllm_gives_them(client, offline):
+    """vLLM's prompt_logprobs: each prompt token's logprob, rank and text, plus the top-n, keyed by token id (null
+    at position 0), as the offline engine computes them: in each completions choice, at the top of a chat
+    response."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ref = offline.generate(prompt, greedy(1, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+
+    def check(got: list, ref_entries: list, ids: list[int]) -> None:
+        assert len(got) == len(ids) and got[0] is None
+        for entry, ref_entry, token in zip(got[1:], ref_entries[1:], ids[1:]):
+            assert set(entry) == {str(t) for t in ref_entry} and str(token) in entry and 2 <= len(entry) <= 3
+            for t, lp in ref_entry.items():
+                assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+                assert entry[str(t)]["rank"] == lp.rank and entry[str(t)]["decoded_token"] == lp.decoded_token
+
+    out = client.completions.create(model="tiny", prompt=[prompt, prompt], max_tokens=1, temperature=0, n=2,
+                                    extra_body={"prompt_logprobs": 2})
+    assert len(out.choices) == 4
+    for choice in out.choices:  # every choice of every prompt carries its prompt's
+        check(choice.model_extra["prompt_logprobs"], ref.prompt_logprobs, ids)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat_ref = offline.generate(offline.apply_chat_template(messages), greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0,
+                                          extra_body={"prompt_logprobs": 0})
+    got = chat.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(chat_ref.prompt_token_ids)
+    for entry, ref_entry, token in zip(got[1:], chat_ref.prompt_logprobs[1:], chat_ref.prompt_token_ids[1:]):
+        assert list(entry) == [str(token)]  # top 0: the token's own entry alone
+        assert entry[str(token)]["logprob"] == pytest.approx(ref_entry[token].logprob, abs=1e-5)
+        assert entry[str(token)]["rank"] == ref_entry[token].rank >= 1
 
 
 def test_structured_outputs_match_offline(client, offline):
@@ -570,6 +605,10 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": -1}, 400,
+     "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     # Types as the schema gives them, as OpenAI checks them (the API fuzzer's negative cases): no coercion.
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
@@ -759,7 +798,7 @@ def delta(text: str, tokens: list[int], finish: str | None = None):
     """One engine delta of request r-0: `text` for the new `tokens`, each with logprob -1."""
     from nanoinfer.outputs import CompletionOutput, RequestOutput
 
-    logprobs = [{t: -1.0} for t in tokens]
+    logprobs = [{t: Logprob(-1.0)} for t in tokens]
     return RequestOutput("r-0", None, [1, 2], [CompletionOutput(0, text, tokens, logprobs, finish)], finish is not None)
 
 
@@ -777,7 +816,7 @@ def test_output_stream_merges_deltas_for_a_slow_reader() -> None:
 
     first, last = asyncio.run(read())
     merged = first["r-0"].outputs[0]
-    assert (merged.text, merged.token_ids, merged.logprobs) == ("Hello", [5, 6, 7], [{5: -1.0}, {6: -1.0}, {7: -1.0}])
+    assert (merged.text, merged.token_ids, merged.logprobs) == ("Hello", [5, 6, 7], [{5: Logprob(-1.0)}, {6: Logprob(-1.0)}, {7: Logprob(-1.0)}])
     assert last["r-0"].finished and last["r-0"].outputs[0].token_ids == [8]
 
 
@@ -792,10 +831,10 @@ def test_a_token_whose_text_lags_still_gets_its_chunk() -> None:
     chunks = [[(d.completion.text, d.completion.token_ids, d.completion.logprobs, d.text_offset, d.first)
                for d in tracker.update({"r-0": out})]
               for out in steps]
-    assert chunks == [[("", [5], [{5: -1.0}], 0, True)],
+    assert chunks == [[("", [5], [{5: Logprob(-1.0)}], 0, True)],
                       [],  # nothing new: no chunk
-                      [("Hello", [6, 7], [{6: -1.0}, {7: -1.0}], 0, False)],
-                      [("!", [8], [{8: -1.0}], 5, False)],
+                      [("Hello", [6, 7], [{6: Logprob(-1.0)}, {7: Logprob(-1.0)}], 0, False)],
+                      [("!", [8], [{8: Logprob(-1.0)}], 5, False)],
                       []]  # after the last chunk
     assert tracker.usage()["completion_tokens"] == 4
 

@@ -54,9 +54,9 @@ def run_tiny(llm: LLM) -> tuple[list[list[int]], list[list[float]], list[list[fl
     prompt position, gathered across the ranks)."""
     outs = llm.generate(tiny_prompts(), greedy(logprobs=1), use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
     scored = llm.generate(tiny_prompts()[:2], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
-    prompt_logprobs = [[lp[t] for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in scored]
+    prompt_logprobs = [[lp[t].logprob for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in scored]
     return tokens, logprobs, prompt_logprobs
 
 

@@ -7,17 +7,15 @@ import logging
 from dataclasses import dataclass, field
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, RequestOutputKind, TokenLogprobs
+from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, RequestOutputKind, TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoinfer")
 
 
-def logprobs_dict(lp: TokenLogprobs) -> dict[int, float]:
-    """The sampled token's logprob plus the top-n alternatives, keyed by token id."""
-    out = {lp.token_id: lp.logprob}
-    out.update(zip(lp.top_token_ids, lp.top_logprobs))
-    return out
+def token_text(tokenizer, token_id: int) -> str | None:
+    """One token's text alone, special tokens included (vLLM's `decoded_token`); None without a tokenizer."""
+    return None if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 @dataclass
@@ -25,7 +23,7 @@ class ChildState:
     index: int
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent: int = 0  # tokens already in an output (DELTA)
@@ -39,7 +37,7 @@ class ParentState:
     children: dict[str, ChildState]
     output_kind: RequestOutputKind
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # from the first child to bring them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # from the first child to bring them
     prompt_logprobs_sent: bool = False  # DELTA: they go out once
 
     @property
@@ -88,10 +86,10 @@ class OutputProcessor:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = [None if lp is None else logprobs_dict(lp) for lp in out.prompt_logprobs]
+                parent.prompt_logprobs = [None if lp is None else self._logprobs(lp) for lp in out.prompt_logprobs]
             child.token_ids.extend(out.new_token_ids)
             if child.logprobs is not None:
-                child.logprobs.extend(logprobs_dict(lp) for lp in out.new_logprobs if lp is not None)
+                child.logprobs.extend(self._logprobs(lp) for lp in out.new_logprobs if lp is not None)
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
                 try:
@@ -107,6 +105,14 @@ class OutputProcessor:
             touched[parent_id] = parent
         return [self._make_output(p) for p in touched.values()
                 if p.output_kind is not RequestOutputKind.FINAL_ONLY or p.finished], stopped
+
+    def _logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        """The token's Logprob, then the top-n alternatives' (ranked 1 to n), keyed by token id."""
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, token_text(self.tokenizer, lp.token_id))}
+        for rank, (token_id, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
+            if token_id not in out:
+                out[token_id] = Logprob(value, rank, token_text(self.tokenizer, token_id))
+        return out
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished child aborted; returns the final output."""

@@ -52,7 +52,7 @@ class StreamOptions(_Body):
 # Fields passed to SamplingParams under the same name when given.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "include_stop_str_in_output", "skip_special_tokens")
+                    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs")
 
 
 class GenerationRequest(_Body):
@@ -74,6 +74,7 @@ class GenerationRequest(_Body):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (+ top-n), in a whole response only
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
@@ -96,6 +97,8 @@ class GenerationRequest(_Body):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:  # a chunk has no field for them
+            raise ApiError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}

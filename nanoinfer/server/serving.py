@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanoinfer.engine.core import EngineDeadError
-from nanoinfer.outputs import CompletionOutput, RequestOutput
+from nanoinfer.engine.output_processor import token_text
+from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -186,7 +187,7 @@ class OpenAIServing:
             raise ApiError(400, "min_tokens must be 0 with max_tokens 0", "min_tokens")
         params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, {})
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as in OpenAI's API
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+            params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._generate(request_id, req.prompts, params, req, {}, raw)
         prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
@@ -208,7 +209,8 @@ class OpenAIServing:
                                                        known or [None] * len(d.output.prompt_token_ids), 0)
                     logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
             return {"index": d.index, "text": echo + c.text, "logprobs": logprobs,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **({"prompt_logprobs": self._prompt_logprobs(d.output)} if req.prompt_logprobs is not None else {})}
 
         return await self._respond(stream, raw, req, params.n, request_id, ("text_completion", "text_completion"),
                                    choice, _without_generated if echo_only else None)
@@ -267,7 +269,8 @@ class OpenAIServing:
                     "stop_reason": c.stop_reason}
 
         return await self._respond(stream, raw, req, params.n, request_id, ("chat.completion.chunk", "chat.completion"),
-                                   choice)
+                                   choice, top=lambda outputs: {"prompt_logprobs": self._prompt_logprobs(outputs[0])}
+                                   if req.prompt_logprobs is not None else {})
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
@@ -354,10 +357,11 @@ class OpenAIServing:
 
     async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, request_id: str,
                        objects: tuple[str, str], render: Callable[[_Delta, bool], dict],
-                       reshape: Callable[[RequestOutput], RequestOutput] | None = None) -> Response:
+                       reshape: Callable[[RequestOutput], RequestOutput] | None = None,
+                       top: Callable[[list[RequestOutput]], dict] | None = None) -> Response:
         """Server-sent chunks of `render(delta, streaming=True)`, or one JSON response once all is done.
         `objects`: the "object" field of a chunk and of a whole response; `reshape`: applied to every output
-        first (so usage counts what the response holds)."""
+        first (so usage counts what the response holds); `top`: more fields of a whole response."""
         base = {"id": request_id, "created": int(time.time()), "model": self.model_names[0]}
         if req.stream:
             events = self._events(stream, n, base | {"object": objects[0]}, lambda d: render(d, True), req, reshape)
@@ -371,7 +375,8 @@ class OpenAIServing:
             raise _request_failed(request_id)
         choices = [render(_Delta(i * n + c.index, o, c, 0, True), False)
                    for i, o in enumerate(outputs) for c in o.outputs]
-        return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)})
+        return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)}
+                            | (top(outputs) if top is not None else {}))
 
     async def _collect(self, stream: OutputStream, raw: Request) -> list[RequestOutput] | None:
         """The final outputs in prompt order; None if the client went away first (then it is aborted)."""
@@ -421,29 +426,40 @@ class OpenAIServing:
             return output.prompt
         return self.tokenizer.decode(output.prompt_token_ids) if self.tokenizer is not None else ""
 
-    def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def _token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        """A token's text alone: its Logprob's (decoded once, by the output processor) where it has one."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return f"token_id:{token_id}" if self.tokenizer is None else token_text(self.tokenizer, token_id)
 
-    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float] | None], offset: int) -> dict:
+    def _prompt_logprobs(self, output: RequestOutput) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs: per prompt position, {token id: {"logprob", "rank", "decoded_token"}} for the
+        prompt's own token and the top-n; null at position 0 (and in all, for a request that ended first)."""
+        if output.prompt_logprobs is None:
+            return None
+        return [None if lp is None else {str(t): {"logprob": max(v.logprob, _MIN_LOGPROB), "rank": v.rank,
+                                                  "decoded_token": self._token_text(t, v)} for t, v in lp.items()}
+                for lp in output.prompt_logprobs]
+
+    def _completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None], offset: int) -> dict:
         """OpenAI's legacy logprobs object; a None entry (an echoed prompt's first token) is null in it."""
-        tokens = [self._token_text(t) for t in token_ids]
+        tokens = [self._token_text(t, lp and lp[t]) for t, lp in zip(token_ids, logprobs)]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens,
-                "token_logprobs": [None if lp is None else max(lp[t], _MIN_LOGPROB) for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [None if lp is None else {self._token_text(i): max(v, _MIN_LOGPROB) for i, v in lp.items()}
-                                 for lp in logprobs],
+                "token_logprobs": [None if lp is None else max(lp[t].logprob, _MIN_LOGPROB)
+                                   for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [None if lp is None else {self._token_text(i, v): max(v.logprob, _MIN_LOGPROB)
+                                                          for i, v in lp.items()} for lp in logprobs],
                 "text_offset": offsets}
 
-    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> dict:
-        def entry(token_id: int, value: float) -> dict:
-            text = self._token_text(token_id)
-            return {"token": text, "logprob": max(value, _MIN_LOGPROB), "bytes": list(text.encode())}
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
+        def entry(token_id: int, value: Logprob) -> dict:
+            text = self._token_text(token_id, value)
+            return {"token": text, "logprob": max(value.logprob, _MIN_LOGPROB), "bytes": list(text.encode())}
 
         return {"content": [entry(t, lp[t]) | {"top_logprobs": [entry(i, v) for i, v in
-                                                                 sorted(lp.items(), key=lambda kv: -kv[1])[:top_n]]}
+                                                                 sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:top_n]]}
                             for t, lp in zip(token_ids, logprobs)]}

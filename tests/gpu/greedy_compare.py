@@ -65,7 +65,7 @@ def assert_greedy_close(reference: list, tested: list, tol: float = 1e-3, max_di
         pos = first_difference(ref.token_ids, out.token_ids)
         if pos is not None:
             a, b, top = ref.token_ids[pos], out.token_ids[pos], ref.logprobs[pos]
-            assert b in top and top[a] - top[b] <= tol, (
+            assert b in top and top[a].logprob - top[b].logprob <= tol, (
                 f"prompt {i}, token {pos}: {b} instead of {a}; the reference's top logprobs {top}")
             diverged += 1
     print(f"{diverged} of {len(reference)} sequences diverged at near-ties")

@@ -121,7 +121,7 @@ def test_prompt_logprobs_in_mixed_step_graphs_equal_the_reference_path_fp32(monk
         try:
             outs = llm.generate(prompts()[:8], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1),
                                 use_tqdm=False)
-            return [[lp[t] for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in outs]
+            return [[lp[t].logprob for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])] for o in outs]
         finally:
             llm.close()
             del llm

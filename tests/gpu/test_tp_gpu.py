@@ -46,7 +46,7 @@ def test_tp2_prompt_logprobs_equal_tp1() -> None:
         try:
             outs = llm.generate(prompts()[:8], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1),
                                 use_tqdm=False)
-            return [torch.tensor([lp[t] for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
+            return [torch.tensor([lp[t].logprob for t, lp in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])])
                     for o in outs]
         finally:
             llm.close()
