@@ -48,6 +48,9 @@ class ParentState:
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Each token's text alone, as logprobs give it, decoded once: logprobs name the same tokens again and again
+        # (20 alternatives per token cost ~55 us to decode, ~1 us to look up).
+        self.token_texts: dict[int, str | None] = {}
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
 
@@ -108,11 +111,17 @@ class OutputProcessor:
 
     def _logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         """The token's Logprob, then the top-n alternatives' (ranked 1 to n), keyed by token id."""
-        out = {lp.token_id: Logprob(lp.logprob, lp.rank, token_text(self.tokenizer, lp.token_id))}
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))}
         for rank, (token_id, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
             if token_id not in out:
-                out[token_id] = Logprob(value, rank, token_text(self.tokenizer, token_id))
+                out[token_id] = Logprob(value, rank, self._token_text(token_id))
         return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        text = self.token_texts.get(token_id)
+        if text is None and self.tokenizer is not None:
+            text = self.token_texts[token_id] = token_text(self.tokenizer, token_id)
+        return text
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished child aborted; returns the final output."""
