@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from nanoinfer.server.protocol import ApiError, ChatCompletionRequest, parse_body
 from nanoinfer.server.tool_calls import (TOOL_CALL_PARSERS, HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls,
-                                         NamedToolCall, RequiredToolCalls, parameters_schema, required_schema)
+                                         NamedToolCall, PythonicToolCalls, RequiredToolCalls, parameters_schema,
+                                         required_schema)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -165,6 +166,26 @@ def test_mistral_text_that_is_not_a_call_is_content():
     assert read(MistralToolCalls(), ["[TOOL_CALLS]bad name[ARGS]{}"]) == ("[TOOL_CALLS]bad name[ARGS]{}", [])
 
 
+def test_pythonic_reads_a_list_of_calls():
+    calls = [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", "{}")]
+    extractor = PythonicToolCalls()
+    assert read(extractor, ['[get_weather(city="Paris", days=[1, 2]), get_time()]']) == ("", calls)
+    assert extractor.finish_reason("stop") == "tool_calls"
+    llama4 = "<|python_start|>[get_weather(city='Paris', days=(1, 2)), get_time()]<|python_end|>\n"
+    assert read(PythonicToolCalls(), [llama4]) == ("", calls)
+    assert read(PythonicToolCalls(parallel=False), [llama4]) == ("", calls[:1])
+    assert read(PythonicToolCalls(), ['[f(a="])}")] and then']) == ("and then", [("f", '{"a": "])}"}')])
+
+
+@pytest.mark.parametrize("text", ["Hello [f()]", "[f(a=x)]", "[f(1)]", "[f(**k)]", "[1, 2]", "[]", "[f(a={1})]",
+                                  '[f(a="cut', "<|python_start|>hi", "<|python", "[f(a=" + "[" * 200 + "]" * 200 + ")]"])
+def test_pythonic_reply_that_is_not_calls_of_literals_is_content(text):
+    """Positional or computed arguments, a set (no JSON for it), an empty list, a list cut short, nesting past
+    what Python parses: the reply comes back whole, as content."""
+    extractor = PythonicToolCalls()
+    assert read(extractor, [text]) == (text, []) and extractor.finish_reason("stop") == "stop"
+
+
 _LLAMA_TEXTS = ['<|python_tag|>{"name": "f", "parameters": {"a": "};"}}; {"name": "g", "parameters": {"b": [1, {}]}}',
                 ' {"name": "f", "arguments": {}};{"name": "g", "parameters": {}} tail', "Just words; {}",
                 '{"name": "f", "parameters": {"a"']
@@ -173,17 +194,22 @@ _MISTRAL_TEXTS = ['Hi [TOOL_CALLS][{"name": "f", "arguments": {"a": "[TOOL_CALLS
                   "[TOOL_", "[TOOL_CALLS]f[ARGS]{"]
 
 
+_PYTHONIC_TEXTS = ["<|python_start|>[f(a='x]'), g(b={'c': [1, (2, 3)]})]<|python_end|> then", ' [f(a="\\")]',
+                   "[f(a=1", "<|python_start|> nope", "[f(a=1)] <|python_e"]
+
+
 @settings(max_examples=150, deadline=None)
 @given(case=st.sampled_from([(Llama3JsonToolCalls, t) for t in _LLAMA_TEXTS] +
-                            [(MistralToolCalls, t) for t in _MISTRAL_TEXTS]),
+                            [(MistralToolCalls, t) for t in _MISTRAL_TEXTS] +
+                            [(PythonicToolCalls, t) for t in _PYTHONIC_TEXTS]),
        cuts=st.lists(st.integers(0, 200), max_size=10))
-def test_llama3_json_and_mistral_streamed_in_any_pieces_read_as_whole(case, cuts):
+def test_llama3_json_mistral_and_pythonic_streamed_in_any_pieces_read_as_whole(case, cuts):
     parser, text = case
     assert read(parser(), split(text, cuts)) == read(parser(), [text])
 
 
 def test_every_auto_parser_is_served():
-    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral"}
+    assert set(TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "pythonic"}
     for name, parser in TOOL_CALL_PARSERS.items():
         assert isinstance(chat_request(tools=[WEATHER]).tool_call_extractor(name), parser)
 

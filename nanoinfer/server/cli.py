@@ -45,7 +45,8 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's tool call format: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes), llama3_json (<|python_tag|>{...}; {...}: Llama 3.1-3.3 with a JSON tool "
-                             "template), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral models)")
+                             "template), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral models), "
+                             "pythonic ([f(a=1), g()]: Llama 3.2 and Llama 4 with a pythonic template)")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                         help="return a thinking model's <think> reasoning as the chat message's reasoning_content: "
                              "qwen3 (reasoning when the reply opens with <think>), deepseek_r1 (the template opens "

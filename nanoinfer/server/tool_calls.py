@@ -7,13 +7,15 @@ How a reply becomes tool calls depends on `tool_choice`:
   matching one tool;
 - "auto": the model decides, in its own format, which a parser (`--tool-call-parser`) reads back out of the text:
   `hermes`, the format of Qwen2.5 / Qwen3, Hermes and many others: `<tool_call>{"name": ..., "arguments": {...}}
-  </tool_call>`; `llama3_json`, Llama 3.1-3.3's JSON calls; `mistral`, Mistral's `[TOOL_CALLS]`.
+  </tool_call>`; `llama3_json`, Llama 3.1-3.3's JSON calls; `mistral`, Mistral's `[TOOL_CALLS]`; `pythonic`, a
+  Python list of calls (Llama 3.2, Llama 4).
 
 An extractor turns one choice's text into (content, tool call deltas) as the text arrives, so a stream and a whole
 response are made by the same code: fed all the text at once, it gives each call in one delta."""
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 import string
@@ -333,12 +335,90 @@ class _MistralCalls(_CallObjects):
         return name, _ObjectScanner(start)
 
 
-class _ObjectScanner:
-    """Finds where the JSON object starting at `start` ends, reading each character once however the text
-    arrives (re-parsing the whole object at every chunk was quadratic in its length)."""
+class PythonicToolCalls(ToolCallExtractor):
+    """tool_choice "auto" with the pythonic parser (Llama 3.2 and Llama 4 with a pythonic tool template, and
+    other models trained so): a reply that opens with `[` (or Llama 4's `<|python_start|>[`) is a Python list of
+    calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`; any other reply is content. The
+    calls are read once the list closes; a list that is not calls of literal arguments, or one cut short, comes
+    back as content, whole."""
 
-    def __init__(self, start: int) -> None:
-        self.start, self.pos, self.depth, self.in_string, self.escaped = start, start, 0, False, False
+    TAG, END_TAG = "<|python_start|>", "<|python_end|>"
+    _BLANKS = " \t\r\n"
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self.buffer = ""  # text not yet resolved
+        self.list: _ObjectScanner | None = None  # once the reply is known to open with a list
+        self.after_calls = False  # the list was calls: a closing tag may follow, then content
+        self.is_content = False  # the rest passes through as content
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        if self.is_content:
+            return text, []
+        self.buffer += text
+        if self.after_calls:
+            return self._after_calls(final), []
+        if self.list is None:
+            start = _skip(self.buffer, 0, self._BLANKS)
+            if self.buffer.startswith(self.TAG, start):
+                start = _skip(self.buffer, start + len(self.TAG), self._BLANKS)
+            head = self.buffer[start:]
+            if head.startswith("["):
+                self.list = _ObjectScanner(start, quotes="\"'", opening="[({", closing="])}")
+            elif not final and self.TAG.startswith(head):  # blanks, or what may begin the tag, so far
+                return "", []
+            else:
+                return self._content(), []
+        end = self.list.end(self.buffer)
+        if end is None:
+            return (self._content(), []) if final else ("", [])
+        found = _python_calls(self.buffer[self.list.start:end])
+        if not found:  # not calls, or an empty list
+            return self._content(), []
+        self.buffer, self.after_calls = self.buffer[end:], True
+        return self._after_calls(final), [delta for call in found for delta in self._call(*call)]
+
+    def _content(self) -> str:
+        text, self.buffer, self.is_content = self.buffer, "", True
+        return text
+
+    def _after_calls(self, final: bool) -> str:
+        """Content after the calls: Llama 4's closing tag and the blanks around it are dropped."""
+        rest = self.buffer.lstrip(self._BLANKS)
+        if not final and self.END_TAG.startswith(rest):
+            return ""
+        self.buffer = rest[len(self.END_TAG):].lstrip(self._BLANKS) if rest.startswith(self.END_TAG) else rest
+        return self._content()
+
+
+def _python_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments as JSON text) of each call in a Python list of calls with literal keyword arguments, or
+    None if `text` is not one."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+        if not isinstance(tree, ast.List):
+            return None
+        calls = []
+        for call in tree.elts:
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
+                    and all(k.arg is not None for k in call.keywords)):
+                return None
+            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not literals, or too deep
+        return None
+
+
+class _ObjectScanner:
+    """Finds where the JSON object (or, with Python's quotes and brackets, the Python list) starting at `start`
+    ends, reading each character once however the text arrives (re-parsing the whole object at every chunk was
+    quadratic in its length)."""
+
+    def __init__(self, start: int, quotes: str = '"', opening: str = "{[", closing: str = "}]") -> None:
+        self.start, self.pos, self.depth, self.escaped = start, start, 0, False
+        self.quotes, self.opening, self.closing = quotes, opening, closing
+        self.in_string: str | None = None  # the quote that opened the string we are in
         self.found: int | None = None
 
     def end(self, text: str) -> int | None:
@@ -352,13 +432,13 @@ class _ObjectScanner:
                     self.escaped = False
                 elif ch == "\\":
                     self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
+                elif ch == self.in_string:
+                    self.in_string = None
+            elif ch in self.quotes:
+                self.in_string = ch
+            elif ch in self.opening:
                 self.depth += 1
-            elif ch in "}]":
+            elif ch in self.closing:
                 self.depth -= 1
                 if self.depth == 0:
                     self.found = i + 1
@@ -399,4 +479,4 @@ def release(text: str, tag: str, final: bool) -> tuple[str, str]:
 
 # --tool-call-parser NAME
 TOOL_CALL_PARSERS: dict[str, type[ToolCallExtractor]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls,
-                                                      "mistral": MistralToolCalls}
+                                                      "mistral": MistralToolCalls, "pythonic": PythonicToolCalls}
