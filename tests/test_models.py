@@ -54,6 +54,9 @@ LLAMA3_ROPE = dict(
     high_freq_factor=4.0,
     original_max_position_embeddings=16,  # small, so head_dim 16 has low, medium and high frequencies
 )
+# Small original contexts and rotation bounds, so that head_dim 16 has interpolated, ramped and kept dimensions.
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+                 beta_fast=8.0, beta_slow=0.5)
 
 
 def save_tiny_model(folder: Path, config_class, max_shard_size: str | None = None, **overrides):
@@ -134,6 +137,9 @@ CASES = {
     "llama-sharded-theta500": (LlamaConfig, "20KB", dict(rope_theta=500.0)),
     "llama-1kv-bias": (LlamaConfig, None, dict(num_key_value_heads=1, attention_bias=True, mlp_bias=True)),
     "llama3-rope": (LlamaConfig, None, dict(rope_parameters=LLAMA3_ROPE)),
+    "llama-linear-rope": (LlamaConfig, None, dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0,
+                                                                       factor=2.0))),
+    "qwen3-yarn-rope": (Qwen3Config, None, dict(rope_parameters=YARN_ROPE)),
     "mistral": (MistralConfig, None, dict(sliding_window=None)),
     "qwen2-qkv-bias": (Qwen2Config, None, {}),
     "qwen3-tied-headdim32": (Qwen3Config, None, dict(tie_word_embeddings=True, head_dim=32)),
@@ -201,8 +207,32 @@ def test_rope_theta_and_rope_parameters_forms(tmp_path):
     caches = [get_rope(16, 64, c).cos_cache for c in (old_file, new_file, old_object, SimpleNamespace())]
     assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
     assert not torch.allclose(caches[0], caches[3])  # the default theta (10000) differs
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'.*llama3"):
-        get_rope(16, 64, SimpleNamespace(rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'dynamic'.*llama3, yarn"):
+        get_rope(16, 64, SimpleNamespace(rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 4.0}))
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        get_rope(16, 64, SimpleNamespace(rope_theta=1e4, rope_scaling={"partial_rotary_factor": 0.5}))
+
+
+@pytest.mark.parametrize("rope", [
+    YARN_ROPE,
+    dict(YARN_ROPE, attention_factor=0.8, truncate=False),
+    dict(YARN_ROPE, mscale=0.707, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0, rope_theta=1e6),  # DeepSeek's form
+    dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768),  # Qwen3's 128k setting
+    dict(rope_type="linear", rope_theta=10000.0, factor=8.0),
+    LLAMA3_ROPE,
+])
+def test_rope_scaling_matches_transformers(rope):
+    """The cos / sin tables equal cos / sin of transformers' frequencies times its attention factor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = Qwen3Config(**{**TINY, "max_position_embeddings": 4 * rope.get("original_max_position_embeddings", 16)},
+                         head_dim=16, rope_parameters=dict(rope))
+    inv_freq, attention = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+    ours = get_rope(16, config.max_position_embeddings, config)
+    freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float), inv_freq)
+    torch.testing.assert_close(ours.cos_cache, freqs.cos() * attention, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.sin_cache, freqs.sin() * attention, rtol=1e-5, atol=1e-5)
+    assert (rope["rope_type"] == "yarn") == (abs(attention - 1.0) > 1e-3)
 
 
 def test_dummy_load_from_config_alone(tmp_path):

@@ -13,7 +13,7 @@ from torch import nn
 from nanoinfer.layers.fusion import fused
 from nanoinfer.layers.layernorm import RMSNorm, rms_norm_math
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def get_rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -37,19 +37,57 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def _yarn(inv_freq: torch.Tensor, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN context extension (Qwen2.5 / Qwen3 past their native context, DeepSeek): (inv_freq, attention factor).
+    Dimensions that turn fewer than `beta_slow` times over the original context are interpolated (their frequency
+    divided by `factor`), those that turn more than `beta_fast` times are kept, with a linear ramp between (in
+    dimension index); cos and sin are then scaled by the attention factor, 0.1 ln(factor) + 1 unless the config
+    gives it (or `mscale` / `mscale_all_dim`), which keeps the softmax's sharpness over the longer context."""
+    head_dim, base = 2 * len(inv_freq), params["rope_theta"]
+    original = params.get("original_max_position_embeddings") or max_position
+    factor = params.get("factor") or max_position / original
+
+    def dim_turning(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times in `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(params.get("beta_fast") or 32), dim_turning(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    kept = 1 - ((torch.arange(head_dim // 2, dtype=torch.float) - low) / ((high - low) or 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * (1 - kept) + inv_freq * kept
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        weight, weight_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, weight) / mscale(factor, weight_all) if weight and weight_all else mscale(factor)
+    return inv_freq, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict[str, Any]) -> None:
         super().__init__()
         rope_type = rope_parameters["rope_type"]
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor="
+                             f"{rope_parameters['partial_rotary_factor']}) are not supported")
         self.head_dim = head_dim
         inv_freq = 1.0 / (rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        if rope_type == "llama3":
+        attention = 1.0  # scales cos and sin (YaRN)
+        if rope_type == "linear":  # positions divided by `factor`: the same as frequencies divided
+            inv_freq = inv_freq / rope_parameters["factor"]
+        elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        elif rope_type == "yarn":
+            inv_freq, attention = _yarn(inv_freq, rope_parameters, max_position)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)  # [max_position, head_dim / 2]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", freqs.cos() * attention, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
