@@ -414,7 +414,12 @@ def test_structured_outputs_match_offline(client, offline):
              ({"structured_outputs": {"choice": ["left", "right"]}}, StructuredOutputsParams(choice=["left", "right"]),
               lambda text: text in ("left", "right")),
              ({"structured_outputs": {"regex": "[a-c]{3}"}}, StructuredOutputsParams(regex="[a-c]{3}"),
-              lambda text: re.fullmatch("[a-c]{3}", text))]
+              lambda text: re.fullmatch("[a-c]{3}", text)),
+             # vLLM's older names, as many clients still send them
+             ({"guided_choice": ["up", "down"]}, StructuredOutputsParams(choice=["up", "down"]),
+              lambda text: text in ("up", "down")),
+             ({"guided_json": json.dumps(schema)}, StructuredOutputsParams(json=schema),
+              lambda text: isinstance(json.loads(text)["ok"], bool))]
     for body, spec, valid in cases:
         ref = offline.generate("Pick one:", greedy(24, structured_outputs=spec), use_tqdm=False)[0].outputs[0]
         out = client.completions.create(model="tiny", prompt="Pick one:", max_tokens=24, temperature=0,
@@ -424,7 +429,7 @@ def test_structured_outputs_match_offline(client, offline):
                                              stream=True, extra_body=body)
         assert "".join(c.choices[0].text for c in streamed) == ref.text
         # A random model may pad JSON with whitespace past max_tokens; the short grammars always end.
-        assert valid(ref.text) if ref.finish_reason == "stop" else "structured_outputs" not in body
+        assert valid(ref.text) if ref.finish_reason == "stop" else not {"structured_outputs", "guided_choice"} & set(body)
     choice = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "left or right?"}],
                                             max_tokens=8, temperature=0,
                                             extra_body={"structured_outputs": {"choice": ["left", "right"]}})
@@ -649,6 +654,12 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "no-such-type"}}}, 400,
      "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": "x", "structured_outputs": {"regex": "b"}}, 400,
+     "guided_grammar"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, 400,
+     "tool_choice"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": functools.reduce(
         lambda inner, _: {"type": "array", "items": [inner]}, range(300), {})}}, 400, "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0, "min_tokens": 1}, 400, "min_tokens"),

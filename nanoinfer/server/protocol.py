@@ -49,6 +49,8 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
+_GUIDED_FIELDS = ("json", "regex", "choice", "grammar")  # guided_<name>: vLLM's older structured_outputs fields
+
 # Fields passed to SamplingParams under the same name when given.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
@@ -85,6 +87,11 @@ class GenerationRequest(_Body):
     # structured_outputs {"json" | "json_object" | "regex" | "choice" | "grammar": ...}: the output follows it.
     response_format: dict | None = None
     structured_outputs: dict | None = None
+    # vLLM's names before structured_outputs (still sent by many clients): each is that field of structured_outputs.
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -110,12 +117,27 @@ class GenerationRequest(_Body):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self._structured_outputs(),
                               **given)
 
+    @property
+    def constraint_field(self) -> str:
+        """The request field that carried the output's grammar: errors about the grammar name it."""
+        if (self.response_format or {}).get("type") in ("json_object", "json_schema"):
+            return "response_format"
+        return next((f"guided_{n}" for n in _GUIDED_FIELDS if getattr(self, f"guided_{n}") is not None),
+                    "structured_outputs")
+
     def _structured_outputs(self) -> dict | None:
+        structured = self.structured_outputs
+        guided = {name: value for name in _GUIDED_FIELDS if (value := getattr(self, f"guided_{name}")) is not None}
+        if guided:
+            if structured is not None or len(guided) > 1:
+                names = [f"guided_{name}" for name in guided] + ["structured_outputs"] * (structured is not None)
+                raise ApiError(400, f"give one way of constraining the output, got {names}", f"guided_{next(iter(guided))}")
+            structured = guided
         kind = None if self.response_format is None else self.response_format.get("type")
         if kind not in (None, "text", "json_object", "json_schema"):
             raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
                            "response_format")
-        if kind in ("json_object", "json_schema") and self.structured_outputs is not None:
+        if kind in ("json_object", "json_schema") and structured is not None:
             raise ApiError(400, "give response_format or structured_outputs, not both", "structured_outputs")
         if kind == "json_object":
             return {"json_object": True}
@@ -125,7 +147,7 @@ class GenerationRequest(_Body):
                 raise ApiError(400, 'response_format json_schema needs {"json_schema": {"name": ..., "schema": '
                                     '{...}}}', "response_format")
             return {"json": spec["schema"]}
-        return self.structured_outputs
+        return structured
 
 
 def _is_token_ids(value: object) -> bool:
@@ -299,9 +321,9 @@ class ChatCompletionRequest(GenerationRequest):
         choice = self.effective_tool_choice
         if choice in ("none", "auto"):
             return super()._structured_outputs()
-        if self.structured_outputs is not None or (self.response_format or {}).get("type", "text") != "text":
+        if super()._structured_outputs() is not None:
             raise ApiError(400, 'tool_choice "required" or a named function constrains the output itself: send no '
-                                'response_format or structured_outputs with it', "tool_choice")
+                                'response_format, structured_outputs or guided_* field with it', "tool_choice")
         tools = template_tools(self.tools)
         schema = required_schema(tools, self.parallel_tool_calls) if choice == "required" else \
             parameters_schema(tools, choice.function.name)

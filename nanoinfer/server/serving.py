@@ -185,11 +185,12 @@ class OpenAIServing:
         echo_only = req.echo and req.max_tokens == 0
         if echo_only and req.min_tokens:
             raise ApiError(400, "min_tokens must be 0 with max_tokens 0", "min_tokens")
-        params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, {})
+        renames = {"structured_outputs": req.constraint_field}
+        params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, renames)
         if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as in OpenAI's API
             params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._generate(request_id, req.prompts, params, req, {}, raw)
+        stream = await self._generate(request_id, req.prompts, params, req, renames, raw)
         prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
         echoed: dict[int, int] = {}  # per choice: the echoed prompt's length, where its generated text starts
 
@@ -221,7 +222,8 @@ class OpenAIServing:
         self.check_model(req.model)
         req.check_tools(self.tool_call_parser)
         max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-        renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name}
+        renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name,
+                   "structured_outputs": req.constraint_field}
         if req.effective_tool_choice not in ("none", "auto"):  # the tools' schemas became the grammar
             renames["structured_outputs"] = "tools"
         if req.top_logprobs is not None and not req.logprobs:
