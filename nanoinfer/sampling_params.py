@@ -21,6 +21,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 128
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries, added to every step's logits (OpenAI takes up to 300)
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary: the ids are distinct and checked against it at admission
 # Nesting of a structured-output JSON schema (objects and lists): xgrammar's compile time grows steeply with it
 # (64 levels: 0.06 s; 300: 5 s), and real schemas stay far below.
 MAX_SCHEMA_DEPTH = 64
@@ -160,8 +161,16 @@ class SamplingParams:
     # Logprobs of the prompt's tokens (each given the tokens before it) plus the top-n at each position; the
     # request then reads no cached prefix, so that every position is computed.
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM's: a long document cut to fit.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit each step
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled (the rest masked every step)
+    # vLLM's: words never generated (each as the model would spell it at the start of the text and after a space):
+    # a word's last token is masked whenever the output ends with the rest of it.
+    bad_words: list[str] | None = None
+    # The bad words as token ids: set at admission from bad_words (or given directly).
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (or its dict)
 
     def __post_init__(self) -> None:
@@ -189,7 +198,16 @@ class SamplingParams:
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        self.stop = self._normalise_stop(self.stop)
+        self.stop = self._normalise_strings("stop", self.stop)
+        if self.bad_words is not None:
+            self.bad_words = self._normalise_strings("bad_words", self.bad_words)
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)) or len(self.bad_words_token_ids) > 2 * MAX_STOP_STRINGS:
+                raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_STOP_STRINGS} token id lists")
+            self.bad_words_token_ids = [_check_token_ids("bad_words_token_ids entry", ids, MAX_STOP_TOKEN_IDS)
+                                        for ids in self.bad_words_token_ids]
+            if not all(self.bad_words_token_ids):
+                raise ValueError("bad_words_token_ids entries must be non-empty")
         self.stop_token_ids = ([] if self.stop_token_ids is None
                                else _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS))
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
@@ -204,7 +222,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+        if self.truncate_prompt_tokens is not None and _check_int("truncate_prompt_tokens",
+                                                                  self.truncate_prompt_tokens) not in (-1,) \
+                and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (max_model_len) or None, got "
+                             f"{self.truncate_prompt_tokens}")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty: nothing could be sampled")
         if isinstance(self.structured_outputs, dict):  # as it crosses the wire, or from a caller
             unknown = set(self.structured_outputs) - set(StructuredOutputsParams.__dataclass_fields__)
             if unknown:
@@ -235,21 +262,22 @@ class SamplingParams:
         return checked or None
 
     @staticmethod
-    def _normalise_stop(stop: object) -> list[str]:
-        if stop is None:
+    def _normalise_strings(name: str, value: object) -> list[str]:
+        """`stop` or `bad_words`: a str or a list of non-empty str, at most MAX_STOP_STRINGS of them."""
+        if value is None:
             return []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, (list, tuple)):
-            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__} {stop!r:.80}")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop holds {len(stop)} strings, at most {MAX_STOP_STRINGS} are allowed")
-        for s in stop:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__} {value!r:.80}")
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"{name} holds {len(value)} strings, at most {MAX_STOP_STRINGS} are allowed")
+        for s in value:
             if not isinstance(s, str):
-                raise TypeError(f"stop entries must be str, got {type(s).__name__} {s!r}")
+                raise TypeError(f"{name} entries must be str, got {type(s).__name__} {s!r:.80}")
             if not s:
-                raise ValueError("stop entries must be non-empty strings")
-        return list(stop)
+                raise ValueError(f"{name} entries must be non-empty strings")
+        return list(value)
 
     @property
     def is_greedy(self) -> bool:

@@ -5,6 +5,7 @@ in-process engine (reuse after an abort, a user id that looks like a child's).""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -232,3 +233,58 @@ def test_sampling_params_copy_is_independent(llm):
     first = next(stream)
     params.max_tokens = 1
     assert first + "".join(stream) == expected
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens (-1: max_model_len - 1), and the
+    output's prompt is their text; the generation is that of the kept tokens alone."""
+    ids = llm.tokenizer.encode("one two three four five six seven eight nine ten")
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    cut = llm.generate(ids, dataclasses.replace(greedy, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    alone = llm.generate(ids[-5:], greedy, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-5:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    text = llm.generate("one two three four five six seven eight nine ten",
+                        dataclasses.replace(greedy, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert text.prompt_token_ids == ids[-3:] and text.prompt == llm.tokenizer.decode(ids[-3:])
+    whole = llm.generate(ids, dataclasses.replace(greedy, truncate_prompt_tokens=len(ids) + 5), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == ids  # shorter than k: kept whole
+    limit = llm.engine.limits.max_model_len
+    longest = llm.generate(list(range(1, limit + 40)), SamplingParams(temperature=0, max_tokens=1,
+                                                                       truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert len(longest.prompt_token_ids) == limit - 1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        llm.generate(ids, SamplingParams(truncate_prompt_tokens=limit + 1), use_tqdm=False)
+
+
+def test_allowed_token_ids_hold_for_every_child_and_step(llm: LLM) -> None:
+    """Every token of every child (n = 3, random) is one of the allowed ids, over many steps; a batch-mate without
+    them samples freely."""
+    allowed = [100, 200, 300, 400]
+    limited, free = llm.generate(["Pick:", "Pick:"], [SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=1,
+                                                                     ignore_eos=True, allowed_token_ids=allowed),
+                                                      SamplingParams(temperature=1.0, max_tokens=12, seed=1,
+                                                                     ignore_eos=True)], use_tqdm=False)
+    assert all(set(c.token_ids) <= set(allowed) and len(c.token_ids) == 12 for c in limited.outputs)
+    assert not set(free.outputs[0].token_ids) <= set(allowed)
+    assert_no_leak(llm)
+
+
+def test_bad_words_are_never_generated(llm: LLM) -> None:
+    """bad_words_token_ids (and bad_words, as the tokenizer spells them): a one-token word never appears; a word of
+    two tokens is cut at its second token whenever the output has just written its first, which needs the newest
+    token on the host before sampling (async scheduling waits for it, as for a grammar)."""
+    free = llm.generate("The", greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    one = llm.generate("The", greedy(12, bad_words_token_ids=[[free[1]]]), use_tqdm=False)[0].outputs[0].token_ids
+    assert one[0] == free[0] and free[1] not in one
+    pair = [free[4], free[5]]
+    two = llm.generate("The", greedy(12, bad_words_token_ids=[pair]), use_tqdm=False)[0].outputs[0].token_ids
+    assert two[:5] == free[:5] and two[5] != free[5]
+    assert not any(two[i:i + 2] == pair for i in range(len(two) - 1))
+    word = llm.tokenizer.decode([free[1]]).strip()
+    spelled = llm.engine.input_processor._bad_words_token_ids([word])
+    assert llm.tokenizer.encode(word, add_special_tokens=False) in spelled
+    text = llm.generate("The", greedy(12, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    assert not any(text.token_ids[i:i + len(w)] == w for w in spelled for i in range(len(text.token_ids)))
+    assert_no_leak(llm)

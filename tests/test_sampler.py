@@ -22,7 +22,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 EOS = 0
 
 
-def build(params, vocab_size, device="cpu", prompts=None, outputs=None, generators=None, stops=None):
+def build(params, vocab_size, device="cpu", prompts=None, outputs=None, generators=None, stops=None, bad=None):
     """Metadata for rows whose requests have these prompt and output tokens (penalized rows get slots)."""
     rows = len(params)
     prompts, outputs = prompts or [[] for _ in range(rows)], outputs or [[] for _ in range(rows)]
@@ -36,6 +36,7 @@ def build(params, vocab_size, device="cpu", prompts=None, outputs=None, generato
         vocab_size=vocab_size,
         device=torch.device(device),
         penalties=(state, slots),
+        bad_word_ids=bad,
     )
 
 
@@ -275,6 +276,18 @@ def test_min_tokens_blocks_stop_tokens(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bad_words_ban_beside_min_tokens(device):
+    """The tokens a row's bad words ban this step are masked, with its min_tokens stop tokens where it has both."""
+    logits = torch.zeros(3, 10, device=device)
+    logits[:, 4], logits[:, EOS], logits[:, 6] = 9.0, 8.0, 7.0
+    params = [SamplingParams(temperature=0, min_tokens=5), SamplingParams(temperature=0), SamplingParams(temperature=0)]
+    metadata = build(params, 10, device, outputs=[[1], [1], [1]], bad=[{4}, {4, 6}, set()])
+    assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [6, EOS, 4]
+    with pytest.raises(ValueError, match="banned token id 10 is outside the vocabulary"):
+        build(params[:1], 10, device, bad=[{10}])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logit_bias_moves_the_choice_not_the_logprobs(device):
     logits = torch.zeros(3, 10, device=device)
     logits[:, 2] = 5.0
@@ -287,6 +300,29 @@ def test_logit_bias_moves_the_choice_not_the_logprobs(device):
     assert torch.allclose(out.logprobs.logprobs[1, 0], raw[1, 8])  # logprobs are the model's own
     with pytest.raises(ValueError, match="logit_bias token id 10 is outside the vocabulary"):
         build([SamplingParams(logit_bias={10: 1.0})], 10, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_restrict_the_choice_not_the_logprobs(device):
+    """Only a row's allowed ids can be sampled, greedy or random, whatever else biases them; other rows and the
+    logprobs (the model's own) are untouched."""
+    logits = torch.randn(4, 50, generator=seeded(7)).to(device)
+    logits[:, 3] = 20.0  # the best token everywhere, allowed in no limited row
+    params = [SamplingParams(temperature=0, allowed_token_ids=[10, 11, 12], logprobs=1),
+              SamplingParams(temperature=1.0, allowed_token_ids=[40, 41], logit_bias={3: 5.0}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0.7, top_k=5, allowed_token_ids=[7])]
+    for _ in range(20):
+        out = Sampler()(logits, build(params, 50, device))
+        tokens = out.sampled_token_ids.tolist()
+        assert tokens[0] == 10 + int(logits[0, 10:13].argmax()) and tokens[1] in (40, 41) and tokens[2] == 3
+        assert tokens[3] == 7
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.allclose(out.logprobs.logprobs[0, 0], raw[0, tokens[0]])
+    with pytest.raises(ValueError, match="allowed_token_ids entry 50 is outside the vocabulary"):
+        build([SamplingParams(allowed_token_ids=[1, 50])], 50, device)
+    with pytest.raises(ValueError, match="allowed_token_ids is empty"):
+        SamplingParams(allowed_token_ids=[])
 
 
 @pytest.mark.parametrize("bias, error, match", [

@@ -76,6 +76,18 @@ def test_is_greedy(temperature, greedy):
         ("prompt_logprobs", -1, ValueError),
         ("prompt_logprobs", 21, ValueError),
         ("prompt_logprobs", True, TypeError),
+        ("truncate_prompt_tokens", 0, ValueError),
+        ("truncate_prompt_tokens", -2, ValueError),
+        ("truncate_prompt_tokens", 1.5, TypeError),
+        ("allowed_token_ids", [], ValueError),
+        ("allowed_token_ids", [1, -1], ValueError),
+        ("allowed_token_ids", 5, TypeError),
+        ("bad_words", ["ok", ""], ValueError),
+        ("bad_words", [3], TypeError),
+        ("bad_words", ["w"] * 129, ValueError),
+        ("bad_words_token_ids", [[1], []], ValueError),
+        ("bad_words_token_ids", [[1, -2]], ValueError),
+        ("bad_words_token_ids", 7, ValueError),
     ],
 )
 def test_bad_values_name_the_field(field, value, error):

@@ -365,6 +365,36 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
         client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
 
 
+def test_allowed_token_ids_restrict_the_reply(client, offline):
+    """vLLM's allowed_token_ids: every sampled token is one of them, and the reply is the offline engine's."""
+    allowed = offline.tokenizer.encode(" yes no maybe")
+    kw = dict(model="tiny", prompt="Answer:", max_tokens=6, temperature=0)
+    out = client.completions.create(**kw, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    ref = offline.generate("Answer:", greedy(6, allowed_token_ids=allowed, ignore_eos=True), use_tqdm=False)[0]
+    assert set(ref.outputs[0].token_ids) <= set(allowed) and out.choices[0].text == ref.outputs[0].text
+
+
+def test_bad_words_are_kept_out_of_the_reply(client, offline):
+    """vLLM's bad_words: the reply is the offline engine's with the same words banned, and none of them is in it."""
+    free = offline.generate("Answer:", greedy(8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    word = offline.tokenizer.decode(free.token_ids[2:3]).strip() or "the"
+    ref = offline.generate("Answer:", greedy(8, ignore_eos=True, bad_words=[word]), use_tqdm=False)[0].outputs[0]
+    out = client.completions.create(model="tiny", prompt="Answer:", max_tokens=8, temperature=0,
+                                    extra_body={"bad_words": [word], "ignore_eos": True})
+    assert out.choices[0].text == ref.text and ref.token_ids != free.token_ids
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, offline):
+    """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens; usage counts them, echo returns their
+    text, and the reply is the one to them alone."""
+    prompt = "one two three four five six seven eight nine ten"
+    kept = offline.tokenizer.encode(prompt)[-4:]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 4, "ignore_eos": True})
+    alone = offline.generate(kept, greedy(3, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert out.usage.prompt_tokens == 4 and out.choices[0].text == offline.tokenizer.decode(kept) + alone
+
+
 def test_prompt_logprobs_as_vllm_gives_them(client, offline):
     """vLLM's prompt_logprobs: each prompt token's logprob, rank and text, plus the top-n, keyed by token id (null
     at position 0), as the offline engine computes them: in each completions choice, at the top of a chat
@@ -611,6 +641,12 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["fine", ""]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["  "]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [5, 10**7]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": -1}, 400,
      "prompt_logprobs"),
@@ -655,7 +691,7 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
      "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs"),
     ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, 400, "guided_regex"),
-    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_regex"),
     ("/v1/completions", {"prompt": "hi", "guided_grammar": "x", "structured_outputs": {"regex": "b"}}, 400,
      "guided_grammar"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, 400,

@@ -30,9 +30,13 @@ def _template_message(message: dict) -> dict:
     message = {**message, "content": message.get("content") or ""}
     if message.get("tool_calls"):
         message["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _json_or_text(c["function"].get(
-            "arguments", {}))}} if isinstance(c, dict) and isinstance(c.get("function"), dict) else c
-            for c in message["tool_calls"]]
+            "arguments", {}))}} if _is_call(c) else c for c in message["tool_calls"]]
     return message
+
+
+def _is_call(call: object) -> bool:
+    """A tool call with a function to render (the template gets anything else as it was given)."""
+    return isinstance(call, dict) and isinstance(call.get("function"), dict)
 
 
 def _json_or_text(arguments: object) -> object:
@@ -46,8 +50,18 @@ def _json_or_text(arguments: object) -> object:
 
 def _call_texts(message: dict) -> list[str]:
     """The text of a message's tool calls (names and arguments given as text), to bound its rendered size."""
-    return [text for c in message.get("tool_calls") or () if isinstance(c, dict) and isinstance(c.get("function"), dict)
+    return [text for c in message.get("tool_calls") or () if _is_call(c)
             for text in (c["function"].get("name"), c["function"].get("arguments")) if isinstance(text, str)]
+
+
+@dataclass
+class Admitted:
+    """One prompt, admitted: the text it stands for (None for token ids), its token ids and its requests (n > 1:
+    one child each)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
 
 
 @dataclass
@@ -150,8 +164,9 @@ class InputProcessor:
         return token_ids
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                cache_salt: str | None = None) -> tuple[list[int], list[Request]]:
-        """Returns the prompt's token ids and the request(s) to add to the core (n children when n > 1)."""
+                cache_salt: str | None = None) -> Admitted:
+        """The prompt's token ids and the request(s) to add to the core (n children when n > 1). With
+        truncate_prompt_tokens the prompt keeps its last tokens, and its text becomes theirs."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -160,13 +175,28 @@ class InputProcessor:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=(params.bad_words_token_ids or [])
+                                         + self._bad_words_token_ids(params.bad_words))
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("bad_words_token_ids", [t for ids in params.bad_words_token_ids or () for t in ids])):
             bad = [t for t in token_ids if t >= self.limits.vocab_size]
             if bad:
                 raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
         if params.structured_outputs is not None:
             self.check_grammar(params.structured_outputs)
         token_ids = self.tokenize(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > self.limits.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
+                                 f"({self.limits.max_model_len})")
+            keep = self.limits.max_model_len - 1 if keep == -1 else keep
+            if len(token_ids) > keep:
+                token_ids = token_ids[-keep:]
+                text = None if text is None else self.tokenizer.decode(token_ids)
         max_tokens = self._check_length(len(token_ids), params.max_tokens)
         arrival = time.monotonic()
         children = []
@@ -175,7 +205,22 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
                                     self.limits.block_size, max_tokens, priority, cache_salt, arrival))
-        return token_ids, children
+        return Admitted(text, token_ids, children)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the model spells it at the start of a text, and as it spells it after a space where
+        that is as many other tokens (vLLM's reading: "word" and " word" are different tokens in most vocabularies)."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer: this model has none (give tokenizer=PATH, or "
+                             "bad_words_token_ids)")
+        spellings = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r:.40} is blank")
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            spellings += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return spellings
 
     def check_grammar(self, spec: StructuredOutputsParams) -> None:
         """A schema, regex or grammar that cannot compile is the caller's error (ValueError), found before the

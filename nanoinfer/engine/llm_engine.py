@@ -73,12 +73,12 @@ class LLMEngine:
         if isinstance(params, SamplingParams):
             params = dataclasses.replace(params)  # validated again (a field may have been set after construction)
         params = params or SamplingParams()
-        prompt_ids, children = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params,
-                                                            priority, cache_salt)
-        self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(children))
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids,
-                                          params, [c.request_id for c in children], output_kind)
-        for child in children:
+        admitted = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params, priority,
+                                                cache_salt)
+        self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(admitted.children))
+        self.output_processor.add_request(request_id, admitted.prompt, admitted.prompt_token_ids, params,
+                                          [c.request_id for c in admitted.children], output_kind)
+        for child in admitted.children:
             self.core.add_request(child)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

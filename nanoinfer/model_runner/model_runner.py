@@ -374,6 +374,7 @@ class ModelRunner:
         if reusable and self.last_sampling is not None and self.last_sampling[0] == req_ids:
             return self.last_sampling[1]
         structured = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
+        bad_words = any(s.sampling_params.bad_words_token_ids for s in states)
         penalized = [s for s in states if s.sampling_params.uses_penalties]
         for s in penalized:
             if s.penalty_slot is None:  # its first sampling here: every token it has is on the host
@@ -390,6 +391,7 @@ class ModelRunner:
             allowed_tokens=(structured, self.grammar_compiler().bitmask([self._matcher(states[i]) for i in structured]))
             if structured else None,
             penalties=(self.penalties, [s.penalty_slot for s in states]) if penalized else None,
+            bad_word_ids=[s.bad_word_ids() for s in states] if bad_words else None,
         )
         self.last_sampling = (req_ids, metadata) if reusable else None
         return metadata

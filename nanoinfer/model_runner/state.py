@@ -22,7 +22,8 @@ class CachedRequestState:
     block_ids: np.ndarray  # int32: copied into the step's block table without a list conversion
     num_computed_tokens: int
     generator: torch.Generator | None
-    # A grammar's matcher reads every output token on the host, so the newest must be there before sampling.
+    # A grammar's matcher, and a bad word of several tokens, read the output on the host, so the newest token must
+    # be there before sampling.
     needs_newest_token: bool
     matcher: Any = None  # structured outputs: the grammar's matcher, fed every sampled token (ModelRunner)
     penalty_slot: int | None = None  # its token counts in the runner's PenaltyState, from its first sampling
@@ -42,8 +43,15 @@ class CachedRequestState:
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=device)
         p = new.sampling_params
+        reads_output = p.structured_outputs is not None or any(len(w) > 1 for w in p.bad_words_token_ids or ())
         return cls(new.req_id, list(new.all_token_ids), new.prompt_len, p, np.asarray(new.block_ids, dtype=np.int32),
-                   new.num_computed_tokens, generator, p.structured_outputs is not None)
+                   new.num_computed_tokens, generator, reads_output)
+
+    def bad_word_ids(self) -> set[int]:
+        """The tokens its bad words ban next: each word's last token where the output ends with the rest of it."""
+        output = self.token_ids[self.prompt_len:]
+        return {word[-1] for word in self.sampling_params.bad_words_token_ids or ()
+                if len(word) == 1 or (len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1])}
 
     def seeded_generator(self, output_index: int) -> torch.Generator | None:
         """Seeded sampling depends only on (seed, output position): reproducible

@@ -37,10 +37,12 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [B] float32
     # Seeded random rows own their generator; the others share the global one.
     generators: dict[int, torch.Generator]
-    # (rows, token ids) forced to -inf: stop tokens of rows below min_tokens.
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
+    # (rows, token ids) forced to -inf: stop tokens of rows below min_tokens, and what the rows' bad words ban.
+    banned_tokens: tuple[torch.Tensor, torch.Tensor] | None
     # (rows, token ids, float32 biases) added to the logits: the rows' logit_bias.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (rows, [rows, vocab] bool: True where sampling is allowed): the rows' allowed_token_ids.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None
     # The penalized (rows, their slots of `penalty_state`): penalties read those rows' token counts, and the
     # sampler counts what the rows sample into them.
     penalty_state: PenaltyState | None
@@ -68,6 +70,7 @@ class SamplingMetadata:
         device: torch.device,
         allowed_tokens: tuple[list[int], torch.Tensor] | None = None,  # (rows, CPU bitmask): structured outputs
         penalties: tuple[PenaltyState, list[int | None]] | None = None,  # the state, each row's slot (or None)
+        bad_word_ids: list[set[int]] | None = None,  # per row, the token ids its bad words ban this step
     ) -> SamplingMetadata:
         """`num_output_tokens`: how many tokens each row's request has generated (min_tokens reads it)."""
         num_rows = len(params)
@@ -120,8 +123,9 @@ class SamplingMetadata:
             top_p=used(top_ps, 1.0),
             min_p=used(min_ps, 0.0),
             generators={i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g},
-            min_tokens_mask=_min_tokens_mask(params, num_output_tokens, stop_token_ids, vocab_size, device),
+            banned_tokens=_banned_tokens(params, num_output_tokens, stop_token_ids, bad_word_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
+            allowed_token_ids=_allowed_token_ids(params, vocab_size, device),
             penalty_state=state if counted else None,
             counted=(indexes([i for i, _ in counted]), indexes([slot for _, slot in counted])) if counted else None,
             repetition_penalties=used(rep, 1.0),
@@ -134,20 +138,26 @@ class SamplingMetadata:
         )
 
 
-def _min_tokens_mask(
+def _banned_tokens(
     params: list[SamplingParams],
     num_output_tokens: list[int],
     stop_token_ids: list[set[int]],
+    bad_word_ids: list[set[int]] | None,
     vocab_size: int,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, cols) of the stop tokens masked for the rows below their min_tokens (a row can hold up to
-    MAX_STOP_TOKEN_IDS ids plus the end-of-sequence ones, every step it is under min_tokens)."""
+    """(rows, cols) of the tokens forced to -inf: the stop tokens of the rows below their min_tokens (a row can
+    hold up to MAX_STOP_TOKEN_IDS ids plus the end-of-sequence ones, every step it is under min_tokens), and the
+    tokens the rows' bad words ban."""
     masked = [(i, stops) for i, (p, generated, stops) in enumerate(zip(params, num_output_tokens, stop_token_ids))
               if generated < p.min_tokens and stops]
+    if bad_word_ids is not None:
+        below = dict(masked)
+        masked = [(i, below.get(i, set()) | (bad_word_ids[i] or set())) for i in range(len(params))
+                  if i in below or bad_word_ids[i]]
     if not masked:
         return None
-    rows, cols = _row_token_ids(masked, vocab_size, "stop token id")
+    rows, cols = _row_token_ids(masked, vocab_size, "banned token id")
     return to_device(torch.from_numpy(rows), device), to_device(torch.from_numpy(cols), device)
 
 
@@ -159,6 +169,18 @@ def _logit_bias(params: list[SamplingParams], vocab_size: int,
     rows, cols = _row_token_ids(biased, vocab_size, "logit_bias token id")
     values = np.concatenate([np.fromiter(bias.values(), np.float32, len(bias)) for _, bias in biased])
     return tuple(to_device(torch.from_numpy(a), device) for a in (rows, cols, values))
+
+
+def _allowed_token_ids(params: list[SamplingParams], vocab_size: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    limited = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not limited:
+        return None
+    _, cols = _row_token_ids(limited, vocab_size, "allowed_token_ids entry")
+    mask = np.zeros((len(limited), vocab_size), dtype=bool)
+    mask[np.repeat(np.arange(len(limited)), [len(ids) for _, ids in limited]), cols] = True
+    return (to_device(torch.tensor([i for i, _ in limited], dtype=torch.int64), device),
+            to_device(torch.from_numpy(mask), device))
 
 
 def _row_token_ids(per_row: list[tuple[int, Collection[int]]], vocab_size: int,

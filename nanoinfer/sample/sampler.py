@@ -1,6 +1,6 @@
 """Turn one step's logits into next tokens (and logprobs), vectorised over the batch.
 
-Order, as in vLLM: logit_bias and min_tokens masking, repetition penalty, presence and
+Order, as in vLLM: allowed_token_ids, logit_bias, min_tokens and bad_words masking, repetition penalty, presence and
 frequency penalties; greedy rows then take the argmax; random rows divide by
 their temperature, apply top-k, top-p and min-p, and sample. Logprobs are
 those of the raw model logits (vLLM v1's default `raw_logprobs`).
@@ -56,12 +56,13 @@ class Sampler(nn.Module):
             )
         # Greedy argmax and the CUDA sampling kernel read the model's dtype as it is; every other
         # step below computes in float32 (a no-op for float32 logits).
-        if metadata.max_num_logprobs is not None or metadata.min_tokens_mask is not None \
+        if metadata.max_num_logprobs is not None or metadata.banned_tokens is not None \
                 or metadata.counted is not None or metadata.logit_bias is not None:
             logits = logits.float()
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
+        logits = apply_allowed_token_ids(logits, metadata)
         logits = apply_logit_bias(logits, metadata)
-        logits = apply_min_tokens(logits, metadata)
+        logits = apply_banned_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
         if metadata.allowed_tokens is not None:  # structured outputs: only what the grammar allows next
             logits = apply_token_bitmask(logits, *metadata.allowed_tokens)
@@ -73,6 +74,13 @@ class Sampler(nn.Module):
         return SamplerOutput(sampled, logprobs)
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.allowed_token_ids is None:
+        return logits
+    rows, allowed = metadata.allowed_token_ids
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     if metadata.logit_bias is None:
         return logits
@@ -80,10 +88,10 @@ def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
     return logits.index_put((rows, cols), values, accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    if metadata.min_tokens_mask is None:
+def apply_banned_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if metadata.banned_tokens is None:
         return logits
-    return logits.index_put(metadata.min_tokens_mask, logits.new_full((), float("-inf")))
+    return logits.index_put(metadata.banned_tokens, logits.new_full((), float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -18,11 +18,11 @@ import zmq.asyncio
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineDeadError
-from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
+from nanoinfer.engine.input_processor import Admitted, EngineLimits, InputProcessor
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput, RequestOutputKind
-from nanoinfer.request import Request, RequestStatus
+from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_process import run_engine_core
 from nanoinfer.server.metrics import ServerMetrics
@@ -174,38 +174,38 @@ class CoreClient:
     # ----- requests in -----
 
     def admit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0,
-              cache_salt: str | None = None) -> list[tuple[list[int], list[Request]]]:
-        """Validate and tokenize one API call's prompts (request i is `{request_id}-{i}`): each prompt's token
-        ids and its child requests. Reads the tokenizer and the limits only, so the server runs it in its
+              cache_salt: str | None = None) -> list[Admitted]:
+        """Validate and tokenize one API call's prompts (request i is `{request_id}-{i}`): each prompt's text,
+        token ids and child requests. Reads the tokenizer and the limits only, so the server runs it in its
         tokenizer thread. Raises ValueError / TypeError for bad input."""
         # Bound the fan-out before any work per prompt or child: each child asks for at least one token.
         self._check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
         admitted = [self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt)
                     for i, prompt in enumerate(prompts)]
-        self._check_output_tokens(sum(child.max_tokens for _, group in admitted for child in group),
+        self._check_output_tokens(sum(child.max_tokens for a in admitted for child in a.children),
                                   params.max_tokens is None)
         return admitted
 
-    def register(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams,
-                 admitted: list[tuple[list[int], list[Request]]], stream: bool = False) -> OutputStream:
+    def register(self, request_id: str, params: SamplingParams, admitted: list[Admitted],
+                 stream: bool = False) -> OutputStream:
         """Send `admit`'s requests to the core, all or none. A `stream` gets deltas as tokens arrive, otherwise
         one final output per prompt. Raises OverflowError when the waiting queue is full, EngineDeadError when
         the core is gone."""
         self.check_alive()
-        children = [child for _, group in admitted for child in group]
+        children = [child for a in admitted for child in a.children]
         self.limits.check_waiting_room(len(self.waiting), len(children))
         try:  # before anything is registered, so a refused request leaves nothing behind
             frames = [pack(MessageType.ADD, encode_request(child)) for child in children]
         except (OverflowError, ValueError) as e:  # msgpack holds integers of at most 64 bits
             raise ValueError(f"a number in the request is out of range: {e}") from None
         output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-        outputs = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
-        for i, (prompt, (prompt_ids, group)) in enumerate(zip(prompts, admitted)):
-            self.output_processor.add_request(outputs.request_ids[i], prompt if isinstance(prompt, str) else None,
-                                              prompt_ids, params, [child.request_id for child in group], output_kind)
+        outputs = OutputStream([f"{request_id}-{i}" for i in range(len(admitted))])
+        for i, a in enumerate(admitted):
+            self.output_processor.add_request(outputs.request_ids[i], a.prompt, a.prompt_token_ids, params,
+                                              [child.request_id for child in a.children], output_kind)
             self.streams[outputs.request_ids[i]] = outputs
-            for child in group:
-                self.metrics.start_request(child.request_id, child.arrival_time, len(prompt_ids))
+            for child in a.children:
+                self.metrics.start_request(child.request_id, child.arrival_time, len(a.prompt_token_ids))
                 self.waiting.add(child.request_id)
         for frame in frames:
             self._send_packed(frame)

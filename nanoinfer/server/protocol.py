@@ -54,7 +54,8 @@ _GUIDED_FIELDS = ("json", "regex", "choice", "grammar")  # guided_<name>: vLLM's
 # Fields passed to SamplingParams under the same name when given.
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
-                    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs")
+                    "include_stop_str_in_output", "skip_special_tokens", "prompt_logprobs", "truncate_prompt_tokens",
+                    "allowed_token_ids", "bad_words")
 
 
 class GenerationRequest(_Body):
@@ -77,6 +78,9 @@ class GenerationRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs (+ top-n), in a whole response only
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0

@@ -351,7 +351,7 @@ class OpenAIServing:
                          for p in prompts]
                 logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r", request_id, texts, params,
                             req.priority, req.cache_salt)
-            return self.client.register(request_id, prompts, params, admitted, req.stream)
+            return self.client.register(request_id, params, admitted, req.stream)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
         except OverflowError as e:
