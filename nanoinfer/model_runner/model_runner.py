@@ -25,6 +25,7 @@ from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.state import CachedRequestState
+from nanoinfer.sample.metadata import allowed_token_mask
 from nanoinfer.sample.penalties import PenaltyState
 from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from nanoinfer.sample.structured import GrammarCompiler
@@ -112,8 +113,10 @@ class ModelRunner:
         self.kv_cache = None
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        # Room for the penalties' token counts too, allocated when a request first asks for one.
-        peak += PenaltyState.bytes_for(self.config.max_num_seqs, self.vocab_size)
+        # Room for the penalties' token counts too, allocated when a request first asks for one, and for
+        # allowed_token_ids masks: a [vocab] bool per request, and the batch's stacked copy.
+        peak += PenaltyState.bytes_for(self.config.max_num_seqs, self.vocab_size) + \
+            2 * self.config.max_num_seqs * self.vocab_size
         available = total * self.config.gpu_memory_utilization - peak
         if available <= 0:
             raise RuntimeError(f"no memory left for the KV cache: peak use {peak / 2**30:.1f} GiB of "
@@ -375,6 +378,10 @@ class ModelRunner:
             return self.last_sampling[1]
         structured = [i for i, s in enumerate(states) if s.sampling_params.structured_outputs is not None]
         bad_words = any(s.sampling_params.bad_words_token_ids for s in states)
+        limited = [s for s in states if s.sampling_params.allowed_token_ids is not None]
+        for s in limited:
+            if s.allowed_mask is None:
+                s.allowed_mask = allowed_token_mask(s.sampling_params.allowed_token_ids, self.vocab_size, self.device)
         penalized = [s for s in states if s.sampling_params.uses_penalties]
         for s in penalized:
             if s.penalty_slot is None:  # its first sampling here: every token it has is on the host
@@ -392,6 +399,7 @@ class ModelRunner:
             if structured else None,
             penalties=(self.penalties, [s.penalty_slot for s in states]) if penalized else None,
             bad_word_ids=[s.bad_word_ids() for s in states] if bad_words else None,
+            allowed_masks=[s.allowed_mask for s in states] if limited else None,
         )
         self.last_sampling = (req_ids, metadata) if reusable else None
         return metadata

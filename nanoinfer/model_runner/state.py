@@ -27,6 +27,7 @@ class CachedRequestState:
     needs_newest_token: bool
     matcher: Any = None  # structured outputs: the grammar's matcher, fed every sampled token (ModelRunner)
     penalty_slot: int | None = None  # its token counts in the runner's PenaltyState, from its first sampling
+    allowed_mask: torch.Tensor | None = None  # its allowed_token_ids as a [vocab] bool mask, from its first sampling
 
     @property
     def sampling_varies(self) -> bool:

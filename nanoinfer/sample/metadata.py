@@ -71,6 +71,7 @@ class SamplingMetadata:
         allowed_tokens: tuple[list[int], torch.Tensor] | None = None,  # (rows, CPU bitmask): structured outputs
         penalties: tuple[PenaltyState, list[int | None]] | None = None,  # the state, each row's slot (or None)
         bad_word_ids: list[set[int]] | None = None,  # per row, the token ids its bad words ban this step
+        allowed_masks: list[torch.Tensor | None] | None = None,  # per row, its allowed_token_mask if the caller keeps it
     ) -> SamplingMetadata:
         """`num_output_tokens`: how many tokens each row's request has generated (min_tokens reads it)."""
         num_rows = len(params)
@@ -125,7 +126,7 @@ class SamplingMetadata:
             generators={i: gen for i, (gen, g) in enumerate(zip(generators, greedy)) if gen is not None and not g},
             banned_tokens=_banned_tokens(params, num_output_tokens, stop_token_ids, bad_word_ids, vocab_size, device),
             logit_bias=_logit_bias(params, vocab_size, device),
-            allowed_token_ids=_allowed_token_ids(params, vocab_size, device),
+            allowed_token_ids=_allowed_token_ids(params, allowed_masks, vocab_size, device),
             penalty_state=state if counted else None,
             counted=(indexes([i for i, _ in counted]), indexes([slot for _, slot in counted])) if counted else None,
             repetition_penalties=used(rep, 1.0),
@@ -171,16 +172,23 @@ def _logit_bias(params: list[SamplingParams], vocab_size: int,
     return tuple(to_device(torch.from_numpy(a), device) for a in (rows, cols, values))
 
 
-def _allowed_token_ids(params: list[SamplingParams], vocab_size: int,
+def _allowed_token_ids(params: list[SamplingParams], masks: list[torch.Tensor | None] | None, vocab_size: int,
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    limited = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    limited = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     if not limited:
         return None
-    _, cols = _row_token_ids(limited, vocab_size, "allowed_token_ids entry")
-    mask = np.zeros((len(limited), vocab_size), dtype=bool)
-    mask[np.repeat(np.arange(len(limited)), [len(ids) for _, ids in limited]), cols] = True
-    return (to_device(torch.tensor([i for i, _ in limited], dtype=torch.int64), device),
-            to_device(torch.from_numpy(mask), device))
+    rows = [masks[i] if masks is not None and masks[i] is not None else
+            allowed_token_mask(params[i].allowed_token_ids, vocab_size, device) for i in limited]
+    return to_device(torch.tensor(limited, dtype=torch.int64), device), torch.stack(rows)
+
+
+def allowed_token_mask(token_ids: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[vocab_size] bool, True at `token_ids`: a request's allowed_token_ids, made once (the model runner keeps it
+    for the request's life: a batch of them restacks rows on the device instead of copying ~150 KB each again)."""
+    _, cols = _row_token_ids([(0, token_ids)], vocab_size, "allowed_token_ids entry")
+    mask = np.zeros(vocab_size, dtype=bool)
+    mask[cols] = True
+    return to_device(torch.from_numpy(mask), device)
 
 
 def _row_token_ids(per_row: list[tuple[int, Collection[int]]], vocab_size: int,
