@@ -186,9 +186,9 @@ def allowed_token_mask(token_ids: list[int], vocab_size: int, device: torch.devi
     """[vocab_size] bool, True at `token_ids`: a request's allowed_token_ids, made once (the model runner keeps it
     for the request's life: a batch of them restacks rows on the device instead of copying ~150 KB each again)."""
     _, cols = _row_token_ids([(0, token_ids)], vocab_size, "allowed_token_ids entry")
-    mask = np.zeros(vocab_size, dtype=bool)
-    mask[cols] = True
-    return to_device(torch.from_numpy(mask), device)
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[to_device(torch.from_numpy(cols), device)] = True
+    return mask
 
 
 def _row_token_ids(per_row: list[tuple[int, Collection[int]]], vocab_size: int,

@@ -54,10 +54,10 @@ class Sampler(nn.Module):
                 f"logits must have shape [{metadata.num_rows}, {metadata.vocab_size}] "
                 f"(rows, vocab_size of the metadata), got {list(logits.shape)}"
             )
-        # Greedy argmax and the CUDA sampling kernel read the model's dtype as it is; every other
-        # step below computes in float32 (a no-op for float32 logits).
-        if metadata.max_num_logprobs is not None or metadata.banned_tokens is not None \
-                or metadata.counted is not None or metadata.logit_bias is not None:
+        # Greedy argmax and the CUDA sampling kernel read the model's dtype as it is, and masking (-inf) holds in
+        # any dtype; biases, penalties and logprobs compute in float32 (a no-op for float32 logits), as do the
+        # filters (they upcast what they read).
+        if metadata.max_num_logprobs is not None or metadata.counted is not None or metadata.logit_bias is not None:
             logits = logits.float()
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
         logits = apply_allowed_token_ids(logits, metadata)
