@@ -223,9 +223,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
-        if self.truncate_prompt_tokens is not None and _check_int("truncate_prompt_tokens",
-                                                                  self.truncate_prompt_tokens) not in (-1,) \
-                and self.truncate_prompt_tokens < 1:
+        keep = self.truncate_prompt_tokens
+        if keep is not None and _check_int("truncate_prompt_tokens", keep) < 1 and keep != -1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (max_model_len) or None, got "
                              f"{self.truncate_prompt_tokens}")
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
