@@ -123,9 +123,13 @@ def test_path_fields_are_ignored_and_urls_do_not_escape(server):
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 6, "temperature": 0}
     plain = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body).json()["choices"][0]["text"]
     hostile = {"tokenizer": "../../etc/passwd", "chat_template": "{% include '/etc/passwd' %}",
-               "download_dir": "/etc", "lora_request": {"path": "/etc/passwd"}, "guided_grammar": "/etc/passwd"}
+               "download_dir": "/etc", "lora_request": {"path": "/etc/passwd"}}
     response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body | hostile)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == plain
+    # A grammar is its text, never a file: this one is not EBNF.
+    response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body | {"guided_grammar": "/etc/passwd"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "guided_grammar"
+    assert PASSWD_LINE not in response.text
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "chat_template": "{% include '/etc/passwd' %}"}
     response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=chat)
