@@ -150,12 +150,13 @@ def _banned_tokens(
     """(rows, cols) of the tokens forced to -inf: the stop tokens of the rows below their min_tokens (a row can
     hold up to MAX_STOP_TOKEN_IDS ids plus the end-of-sequence ones, every step it is under min_tokens), and the
     tokens the rows' bad words ban."""
-    masked = [(i, stops) for i, (p, generated, stops) in enumerate(zip(params, num_output_tokens, stop_token_ids))
-              if generated < p.min_tokens and stops]
-    if bad_word_ids is not None:
-        below = dict(masked)
-        masked = [(i, below.get(i, set()) | (bad_word_ids[i] or set())) for i in range(len(params))
-                  if i in below or bad_word_ids[i]]
+    masked = []
+    for i, (p, generated, stops) in enumerate(zip(params, num_output_tokens, stop_token_ids)):
+        ids = stops if generated < p.min_tokens else set()
+        if bad_word_ids is not None and bad_word_ids[i]:
+            ids = ids | bad_word_ids[i]
+        if ids:
+            masked.append((i, ids))
     if not masked:
         return None
     rows, cols = _row_token_ids(masked, vocab_size, "banned token id")

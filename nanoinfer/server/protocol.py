@@ -126,17 +126,20 @@ class GenerationRequest(_Body):
         """The request field that carried the output's grammar: errors about the grammar name it."""
         if (self.response_format or {}).get("type") in ("json_object", "json_schema"):
             return "response_format"
-        return next((f"guided_{n}" for n in _GUIDED_FIELDS if getattr(self, f"guided_{n}") is not None),
-                    "structured_outputs")
+        return next(iter(self._guided()), "structured_outputs")
+
+    def _guided(self) -> dict:
+        """The guided_* fields given, by their names ("guided_regex": ...)."""
+        return {f"guided_{n}": value for n in _GUIDED_FIELDS if (value := getattr(self, f"guided_{n}")) is not None}
 
     def _structured_outputs(self) -> dict | None:
         structured = self.structured_outputs
-        guided = {name: value for name in _GUIDED_FIELDS if (value := getattr(self, f"guided_{name}")) is not None}
+        guided = self._guided()
         if guided:
             if structured is not None or len(guided) > 1:
-                names = [f"guided_{name}" for name in guided] + ["structured_outputs"] * (structured is not None)
-                raise ApiError(400, f"give one way of constraining the output, got {names}", f"guided_{next(iter(guided))}")
-            structured = guided
+                names = list(guided) + ["structured_outputs"] * (structured is not None)
+                raise ApiError(400, f"give one way of constraining the output, got {names}", names[0])
+            structured = {name.removeprefix("guided_"): value for name, value in guided.items()}
         kind = None if self.response_format is None else self.response_format.get("type")
         if kind not in (None, "text", "json_object", "json_schema"):
             raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",

@@ -23,6 +23,7 @@ import uuid
 from abc import ABC, abstractmethod
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+_BLANKS = " \t\r\n"
 _NAME_CHARS = frozenset(string.ascii_letters + string.digits + "_-.")  # of a function name, as OpenAI allows
 
 
@@ -207,7 +208,7 @@ class HermesToolCalls(ToolCallExtractor):
     def _read_block(self, final: bool) -> tuple[tuple[str, str] | None, int] | None:
         """(the call or None, characters of the buffer the block used), or None until more text decides."""
         if self.json is None:
-            start = _skip(self.buffer, 0, " \t\r\n")
+            start = _skip(self.buffer, 0, _BLANKS)
             if start == len(self.buffer) and not final:
                 return None
             if start < len(self.buffer) and self.buffer[start] == "{":
@@ -215,7 +216,7 @@ class HermesToolCalls(ToolCallExtractor):
         if self.json is not None:
             end = self.json.end(self.buffer)
             if end is not None:
-                close = _skip(self.buffer, end, " \t\r\n")
+                close = _skip(self.buffer, end, _BLANKS)
                 if self.buffer.startswith(self.CLOSE, close) or (final and close == len(self.buffer)):
                     call = _call_of(self.buffer[self.json.start:end], ("arguments",))
                     if call is not None:
@@ -237,7 +238,6 @@ class Llama3JsonToolCalls(ToolCallExtractor):
     back as content; text after the calls that is not one, as content after them."""
 
     TAG = "<|python_tag|>"
-    _BLANKS = " \t\r\n"
 
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
@@ -250,11 +250,10 @@ class Llama3JsonToolCalls(ToolCallExtractor):
             return text, []
         self.buffer += text
         if self.objects is None:
-            start = _skip(self.buffer, 0, self._BLANKS)
+            start = _opening(self.buffer, self.TAG)
             head = self.buffer[start:]
-            if head.startswith(self.TAG) or head.startswith("{"):
-                start += len(self.TAG) if head.startswith(self.TAG) else 0
-                self.objects = _CallObjects(start, self._BLANKS + ";", ("parameters", "arguments"))
+            if head.startswith("{"):
+                self.objects = _CallObjects(start, _BLANKS + ";", ("parameters", "arguments"))
             elif not final and self.TAG.startswith(head):  # blanks, or what may begin the tag, so far
                 return "", []
             else:
@@ -262,9 +261,9 @@ class Llama3JsonToolCalls(ToolCallExtractor):
                 return self.buffer, []
         calls = [delta for call in self.objects.read(self.buffer) for delta in self._call(*call)]
         rest = self.buffer[self.objects.parsed:]
-        if not final or not rest.strip(self._BLANKS + ";"):
+        if not final or not rest.strip(_BLANKS + ";"):
             return "", calls
-        return (rest.lstrip(self._BLANKS + ";") if self.num_calls else self.buffer), calls
+        return (rest.lstrip(_BLANKS + ";") if self.num_calls else self.buffer), calls
 
 
 class MistralToolCalls(ToolCallExtractor):
@@ -328,7 +327,7 @@ class _MistralCalls(_CallObjects):
         if not all(c in _NAME_CHARS for c in name) or split == 0 or (split < 0 and final):
             self.stuck = True
             return None
-        start = _skip(text, self.parsed + split + len(self.ARGS), " \t\r\n") if split >= 0 else len(text)
+        start = _skip(text, self.parsed + split + len(self.ARGS), _BLANKS) if split >= 0 else len(text)
         if start == len(text) or text[start] != "{":
             self.stuck = final or start < len(text)
             return None
@@ -343,7 +342,6 @@ class PythonicToolCalls(ToolCallExtractor):
     back as content, whole."""
 
     TAG, END_TAG = "<|python_start|>", "<|python_end|>"
-    _BLANKS = " \t\r\n"
 
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
@@ -359,9 +357,7 @@ class PythonicToolCalls(ToolCallExtractor):
         if self.after_calls:
             return self._after_calls(final), []
         if self.list is None:
-            start = _skip(self.buffer, 0, self._BLANKS)
-            if self.buffer.startswith(self.TAG, start):
-                start = _skip(self.buffer, start + len(self.TAG), self._BLANKS)
+            start = _opening(self.buffer, self.TAG)
             head = self.buffer[start:]
             if head.startswith("["):
                 self.list = _ObjectScanner(start, quotes="\"'", opening="[({", closing="])}")
@@ -384,10 +380,10 @@ class PythonicToolCalls(ToolCallExtractor):
 
     def _after_calls(self, final: bool) -> str:
         """Content after the calls: Llama 4's closing tag and the blanks around it are dropped."""
-        rest = self.buffer.lstrip(self._BLANKS)
+        rest = self.buffer.lstrip(_BLANKS)
         if not final and self.END_TAG.startswith(rest):
             return ""
-        self.buffer = rest[len(self.END_TAG):].lstrip(self._BLANKS) if rest.startswith(self.END_TAG) else rest
+        self.buffer = rest[len(self.END_TAG):].lstrip(_BLANKS) if rest.startswith(self.END_TAG) else rest
         return self._content()
 
 
@@ -445,6 +441,12 @@ class _ObjectScanner:
                     return self.found
         self.pos = len(text)
         return None
+
+
+def _opening(text: str, tag: str) -> int:
+    """Where a reply's first call starts: after leading blanks and an optional `tag` (and blanks after it)."""
+    start = _skip(text, 0, _BLANKS)
+    return _skip(text, start + len(tag), _BLANKS) if text.startswith(tag, start) else start
 
 
 def _skip(text: str, pos: int, chars: str) -> int:
