@@ -177,6 +177,20 @@ def test_pythonic_reads_a_list_of_calls():
     assert read(PythonicToolCalls(), ['[f(a="])}")] and then']) == ("and then", [("f", '{"a": "])}"}')])
 
 
+def test_pythonic_sends_each_call_when_it_closes():
+    """A call goes out as soon as its ")" arrives, not when the list closes (as vLLM streams them); elements
+    after the calls that are not calls, or are cut short, come back as content after them."""
+    extractor = PythonicToolCalls()
+    content, deltas = extractor.feed('[get_weather(city="Paris"), get_ti', False)
+    assert content == "" and [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == \
+        [("get_weather", '{"city": "Paris"}')]
+    content, deltas = extractor.feed("me()", False)
+    assert content == "" and [(d["index"], d["function"]["name"]) for d in deltas] == [(1, "get_time")]
+    assert extractor.feed("]", True) == ("", []) and extractor.finish_reason("stop") == "tool_calls"
+    assert read(PythonicToolCalls(), ["[f(a=1), 2, g()]"]) == ("2, g()]", [("f", '{"a": 1}')])
+    assert read(PythonicToolCalls(), ["[f(a=1), g(b="]) == ("g(b=", [("f", '{"a": 1}')])
+
+
 @pytest.mark.parametrize("text", ["Hello [f()]", "[f(a=x)]", "[f(1)]", "[f(**k)]", "[1, 2]", "[]", "[f(a={1})]",
                                   '[f(a="cut', "<|python_start|>hi", "<|python", "[f(a=" + "[" * 200 + "]" * 200 + ")]"])
 def test_pythonic_reply_that_is_not_calls_of_literals_is_content(text):
@@ -195,7 +209,7 @@ _MISTRAL_TEXTS = ['Hi [TOOL_CALLS][{"name": "f", "arguments": {"a": "[TOOL_CALLS
 
 
 _PYTHONIC_TEXTS = ["<|python_start|>[f(a='x]'), g(b={'c': [1, (2, 3)]})]<|python_end|> then", ' [f(a="\\")]',
-                   "[f(a=1", "<|python_start|> nope", "[f(a=1)] <|python_e"]
+                   "[f(a=1", "<|python_start|> nope", "[f(a=1)] <|python_e", "[f(a=1), 2, g()]", "[f(), g(b=[1,"]
 
 
 @settings(max_examples=150, deadline=None)

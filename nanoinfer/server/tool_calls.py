@@ -116,11 +116,7 @@ class _CallObjects:
             end = scanner.end(text)
             if end is None:
                 break
-            if name is None:
-                call = _call_of(text[scanner.start:end], self.keys)
-            else:
-                arguments = _parse(text[scanner.start:end])
-                call = (name, json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+            call = self._call_in(name, text[scanner.start:end])
             if call is None:
                 self.stuck = True
                 break
@@ -133,6 +129,14 @@ class _CallObjects:
         set `stuck`, if it is not a call)."""
         start = _skip(text, self.parsed, self.separators)
         return (None, _ObjectScanner(start)) if start < len(text) and text[start] == "{" else None
+
+    def _call_in(self, name: str | None, text: str) -> tuple[str, str] | None:
+        """The (name, arguments) of a complete element: a call object, or (name given apart) its arguments' object;
+        None if it is not one."""
+        if name is None:
+            return _call_of(text, self.keys)
+        arguments = _parse(text)
+        return (name, json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
 
 
 class RequiredToolCalls(ToolCallExtractor):
@@ -337,17 +341,18 @@ class _MistralCalls(_CallObjects):
 class PythonicToolCalls(ToolCallExtractor):
     """tool_choice "auto" with the pythonic parser (Llama 3.2 and Llama 4 with a pythonic tool template, and
     other models trained so): a reply that opens with `[` (or Llama 4's `<|python_start|>[`) is a Python list of
-    calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`; any other reply is content. The
-    calls are read once the list closes; a list that is not calls of literal arguments, or one cut short, comes
-    back as content, whole."""
+    calls with keyword arguments, `[get_weather(city="Paris"), get_time()]`; any other reply is content. Each call
+    is sent as soon as its closing parenthesis arrives. If no call could be read (not calls of literal arguments,
+    an empty list, one cut short), the whole reply comes back as content; text from the first element that is not
+    a call, or after the list, as content after the calls."""
 
     TAG, END_TAG = "<|python_start|>", "<|python_end|>"
 
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self.buffer = ""  # text not yet resolved
-        self.list: _ObjectScanner | None = None  # once the reply is known to open with a list
-        self.after_calls = False  # the list was calls: a closing tag may follow, then content
+        self.calls: _PythonCalls | None = None  # once the reply is known to open with a list
+        self.after_calls = False  # the list closed after calls: a closing tag may follow, then content
         self.is_content = False  # the rest passes through as content
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
@@ -356,23 +361,26 @@ class PythonicToolCalls(ToolCallExtractor):
         self.buffer += text
         if self.after_calls:
             return self._after_calls(final), []
-        if self.list is None:
+        if self.calls is None:
             start = _opening(self.buffer, self.TAG)
             head = self.buffer[start:]
             if head.startswith("["):
-                self.list = _ObjectScanner(start, quotes="\"'", opening="[({", closing="])}")
+                self.calls = _PythonCalls(start + 1)
             elif not final and self.TAG.startswith(head):  # blanks, or what may begin the tag, so far
                 return "", []
             else:
                 return self._content(), []
-        end = self.list.end(self.buffer)
-        if end is None:
-            return (self._content(), []) if final else ("", [])
-        found = _python_calls(self.buffer[self.list.start:end])
-        if not found:  # not calls, or an empty list
-            return self._content(), []
-        self.buffer, self.after_calls = self.buffer[end:], True
-        return self._after_calls(final), [delta for call in found for delta in self._call(*call)]
+        deltas = [delta for call in self.calls.read(self.buffer, final) for delta in self._call(*call)]
+        if not (self.calls.closed or self.calls.stuck or final):
+            return "", deltas
+        if not self.num_calls:
+            return self._content(), deltas
+        self.buffer = self.buffer[self.calls.parsed:]
+        if self.calls.closed:
+            self.after_calls = True
+            return self._after_calls(final), deltas
+        self.buffer = self.buffer.lstrip(_PythonCalls.BETWEEN)
+        return self._content(), deltas
 
     def _content(self) -> str:
         text, self.buffer, self.is_content = self.buffer, "", True
@@ -387,23 +395,44 @@ class PythonicToolCalls(ToolCallExtractor):
         return self._content()
 
 
-def _python_calls(text: str) -> list[tuple[str, str]] | None:
-    """(name, arguments as JSON text) of each call in a Python list of calls with literal keyword arguments, or
-    None if `text` is not one."""
-    try:
-        tree = ast.parse(text, mode="eval").body
-        if not isinstance(tree, ast.List):
+class _PythonCalls(_CallObjects):
+    """The elements of a Python list of calls, from just after its "[": `name(keyword=literal, ...)`, separated
+    by commas; `closed` once the list's "]" is read (`parsed` is then just past it)."""
+
+    BETWEEN = _BLANKS + ","
+
+    def __init__(self, start: int) -> None:
+        super().__init__(start, self.BETWEEN, ())
+        self.closed = False
+
+    def _next(self, text: str, final: bool) -> tuple[str | None, _ObjectScanner] | None:
+        start = _skip(text, self.parsed, self.separators)
+        if start < len(text) and text[start] == "]":
+            self.closed, self.parsed = True, start + 1
             return None
-        calls = []
-        for call in tree.elts:
+        paren = start
+        while paren < len(text) and (text[paren].isalnum() or text[paren] == "_"):
+            paren += 1
+        if paren == len(text):  # the name goes on, or nothing came yet
+            self.stuck = final
+            return None
+        if paren == start or text[paren] != "(":
+            self.stuck = True
+            return None
+        return text[start:paren], _ObjectScanner(paren, quotes="\"'", opening="[({", closing="])}")
+
+    def _call_in(self, name: str | None, text: str) -> tuple[str, str] | None:
+        """`name` and the arguments of `name` + `text` (its parenthesised keyword arguments) as JSON, or None if
+        that is not a call with literal keyword arguments."""
+        try:
+            call = ast.parse(name + text, mode="eval").body
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args
                     and all(k.arg is not None for k in call.keywords)):
                 return None
             arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
-        return calls
-    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not literals, or too deep
-        return None
+            return call.func.id, json.dumps(arguments, ensure_ascii=False)
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not literals, or too deep
+            return None
 
 
 class _ObjectScanner:
