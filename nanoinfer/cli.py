@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import types
@@ -40,8 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         help_text = f"{f.metadata['help']} (default: {f.default})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        else:
-            group.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+        else:  # a dict is given as JSON
+            group.add_argument(flag, type=json.loads if kind is dict else kind, default=f.default,
+                               choices=f.metadata.get("choices"), help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:

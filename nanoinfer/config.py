@@ -68,6 +68,8 @@ class EngineConfig:
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel ranks")
     max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
+    runner: str = _arg("generate", "what the model does: generate text, or pool its hidden states into embeddings (LLM.embed, /v1/embeddings)", ("generate", "pooling"))
+    pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):  # a pathlib.Path is a path too
@@ -87,6 +89,11 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {list(choices)}")
+        if self.pooler_config is not None:
+            if not isinstance(self.pooler_config, dict):
+                raise TypeError(f"pooler_config must be a dict, got {type(self.pooler_config).__name__}")
+            if self.runner != "pooling":
+                raise ValueError("pooler_config applies to runner='pooling' only")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
         positive = ["block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"]

@@ -45,6 +45,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # Requests with prompt_logprobs whose prompt this step computed: (first position, its entries on).
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    # runner="pooling": the pooled vector of each request whose prompt this step finished (it ends with it).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # in the request's first output only
+    pooled: list[float] | None = None  # runner="pooling": the prompt's pooled vector, in its only output
 
     @property
     def finished(self) -> bool:
@@ -103,3 +106,18 @@ class RequestOutput:
             merged.finish_reason, merged.stop_reason = c.finish_reason, c.stop_reason
         self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (`LLM.embed`, vLLM's type)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import os
@@ -93,6 +94,10 @@ class EngineCore:
             self.tp_driver.attach(self.runner)
         else:
             self.runner = start_model_runner(config, self.source, self.device, self.dtype)
+        if self.runner.pooler is not None and self.runner.pooler.pooling_type != "LAST" and config.enable_prefix_caching:
+            # MEAN / CLS pool every prompt token's hidden state, so no prompt may skip its cached prefix: vLLM too
+            # caches prefixes for LAST pooling only.
+            self.config = config = dataclasses.replace(config, enable_prefix_caching=False)
         self.num_blocks = self.runner.num_blocks
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import Request
 from nanoinfer.sample.structured import GrammarCompiler
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams, child_seed
@@ -90,11 +91,14 @@ class EngineLimits:
 
 class InputProcessor:
     def __init__(self, tokenizer, limits: EngineLimits,
-                 grammar_compiler: Callable[[], GrammarCompiler] | None = None) -> None:
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0) -> None:
         """`grammar_compiler`: the engine core's, where the core runs in this process (one compiler and cache for
-        both, so a grammar compiles once); otherwise this processor builds its own at the first grammar."""
+        both, so a grammar compiles once); otherwise this processor builds its own at the first grammar.
+        `pooler`: the engine makes embeddings (runner="pooling") of `hidden_size` values."""
         self.tokenizer = tokenizer
         self.limits = limits
+        self.pooler, self.hidden_size = pooler, hidden_size
         self.grammar_compiler = grammar_compiler or self._own_grammar_compiler
         # No token of the vocabulary spells more characters than its own (byte-level or sentencepiece) string,
         # so text longer than this cannot fit in max_model_len tokens: refused before the tokenizer spends
@@ -163,18 +167,55 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})")
         return token_ids
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-                cache_salt: str | None = None) -> Admitted:
-        """The prompt's token ids and the request(s) to add to the core (n children when n > 1). With
-        truncate_prompt_tokens the prompt keeps its last tokens, and its text becomes theirs."""
-        if not isinstance(params, SamplingParams):
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                priority: int = 0, cache_salt: str | None = None) -> Admitted:
+        """The prompt's token ids and the request(s) to add to the core (n children when n > 1; an embedding's
+        one, which computes its prompt and nothing more). With truncate_prompt_tokens the prompt keeps its last
+        tokens, and its text becomes theirs."""
+        pooling = isinstance(params, PoolingParams)
+        if not (pooling or isinstance(params, SamplingParams)):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if pooling != (self.pooler is not None):
+            raise ValueError("this engine makes embeddings (runner='pooling'): it takes PoolingParams, not "
+                             "SamplingParams" if self.pooler else "embeddings need an engine built with "
+                             "runner='pooling'")
+        if pooling:
+            self.pooler.check(params, self.hidden_size)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         if not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if not pooling:
+            params = self._check_sampling(params)
+        token_ids = self.tokenize(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            if keep > self.limits.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
+                                 f"({self.limits.max_model_len})")
+            keep = self.limits.max_model_len - (0 if pooling else 1) if keep == -1 else keep
+            if len(token_ids) > keep:
+                token_ids = token_ids[-keep:]
+                text = None if text is None else self.tokenizer.decode(token_ids)
+        max_tokens = self._check_length(len(token_ids), 0 if pooling else params.max_tokens)
+        arrival = time.monotonic()
+        if pooling:  # one step past its prompt it has its vector: the core counts that step as a token's
+            return Admitted(text, token_ids, [Request(request_id, token_ids, SamplingParams(max_tokens=1),
+                                                      self.limits.eos_token_ids, self.limits.block_size, 1, priority,
+                                                      cache_salt, arrival)])
+        children = []
+        for i in range(params.n):
+            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else child_seed(params.seed, i))
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
+                                    self.limits.block_size, max_tokens, priority, cache_salt, arrival))
+        return Admitted(text, token_ids, children)
+
+    def _check_sampling(self, params: SamplingParams) -> SamplingParams:
+        """Token ids the vocabulary must hold, grammars that must compile; bad words spelled as token ids."""
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=(params.bad_words_token_ids or [])
                                          + self._bad_words_token_ids(params.bad_words))
@@ -186,26 +227,7 @@ class InputProcessor:
                 raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
         if params.structured_outputs is not None:
             self.check_grammar(params.structured_outputs)
-        token_ids = self.tokenize(prompt)
-        text = prompt if isinstance(prompt, str) else None
-        keep = params.truncate_prompt_tokens
-        if keep is not None:
-            if keep > self.limits.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
-                                 f"({self.limits.max_model_len})")
-            keep = self.limits.max_model_len - 1 if keep == -1 else keep
-            if len(token_ids) > keep:
-                token_ids = token_ids[-keep:]
-                text = None if text is None else self.tokenizer.decode(token_ids)
-        max_tokens = self._check_length(len(token_ids), params.max_tokens)
-        arrival = time.monotonic()
-        children = []
-        for i in range(params.n):
-            child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else child_seed(params.seed, i))
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
-                                    self.limits.block_size, max_tokens, priority, cache_salt, arrival))
-        return Admitted(text, token_ids, children)
+        return params
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the model spells it at the start of a text, and as it spells it after a space where
@@ -241,6 +263,8 @@ class InputProcessor:
             if prompt_len >= limit:
                 raise ValueError(f"prompt has {prompt_len} tokens; {why} allows at most {limit - 1}")
             return limit - prompt_len
+        if max_tokens == 0 and prompt_len > limit:  # an embedding's: its prompt alone
+            raise ValueError(f"prompt has {prompt_len} tokens; {why} allows at most {limit}")
         if prompt_len + max_tokens > limit:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
                              f"exceeds {why} ({limit})")

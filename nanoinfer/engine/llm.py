@@ -1,4 +1,4 @@
-"""The offline API: `LLM(...).generate(prompts, params)`, `chat`, `stream`."""
+"""The offline API: `LLM(...).generate(prompts, params)`, `chat`, `stream`; `embed` with runner="pooling"."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanoinfer.engine.llm_engine import LLMEngine
-from nanoinfer.outputs import RequestOutput, RequestOutputKind
+from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (either with an
@@ -97,12 +98,21 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
+        return self._submit(prompts, SamplingParams() if sampling_params is None else sampling_params, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`), in prompt order; the engine must be built with
+        runner="pooling"."""
+        return self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm)
+
+    def _submit(self, prompts: Prompt | Sequence[Prompt], params: Any, use_tqdm: bool) -> list:
+        """Add every prompt with its params (one for all, or one each) and run them to the end, all or none."""
         if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = [params] * len(prompts) if isinstance(params, (SamplingParams, PoolingParams)) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         ids = [str(next(self._ids)) for _ in prompts]
@@ -116,19 +126,21 @@ class LLM:
         finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
             self._forget(ids)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        start, num_output_tokens = time.perf_counter(), 0
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
+        results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processing", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_tokens = time.perf_counter(), 0
         for out in self._outputs(ids):
             results[out.request_id] = out
-            num_output_tokens += sum(len(c.token_ids) for c in out.outputs)
+            embedding = isinstance(out, EmbeddingRequestOutput)  # counted by its prompt, the work it took
+            num_tokens += len(out.prompt_token_ids) if embedding else sum(len(c.token_ids) for c in out.outputs)
             bar.update(1)
-            bar.set_postfix_str(f"output {num_output_tokens / (time.perf_counter() - start):.0f} tok/s")
+            bar.set_postfix_str(f"{'input' if embedding else 'output'} "
+                                f"{num_tokens / (time.perf_counter() - start):.0f} tok/s")
         bar.close()
         return [results[i] for i in ids]
 
-    def _outputs(self, ids: Iterable[str]) -> Iterator[RequestOutput]:
+    def _outputs(self, ids: Iterable[str]) -> Iterator[RequestOutput | EmbeddingRequestOutput]:
         """The outputs of requests `ids` (each with its inbox entry) as they come, until all have finished.
         Per step it touches only the requests that got outputs (not every one of `ids`)."""
         unfinished = set(ids)

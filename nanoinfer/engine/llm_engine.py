@@ -14,7 +14,8 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
-from nanoinfer.outputs import RequestOutput, RequestOutputKind
+from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 
@@ -54,11 +55,15 @@ class LLMEngine:
         source, self.tokenizer = load_model_and_tokenizer(config)
         self.core = EngineCore(config, source)
         self.limits = self.core.limits()
-        self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.pooler = PoolerConfig.resolve(source.model_path, source.hf_config, config.pooler_config) \
+            if config.runner == "pooling" else None
+        self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler,
+                                              self.pooler, source.hf_config.hidden_size)
+        self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
         self._admissions = itertools.count()
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0, cache_salt: str | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         """Admit a request under the caller's `request_id`. In the core it gets an id of its own (the caller's
@@ -70,9 +75,9 @@ class LLMEngine:
             raise TypeError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(params, SamplingParams):
+        if isinstance(params, (SamplingParams, PoolingParams)):
             params = dataclasses.replace(params)  # validated again (a field may have been set after construction)
-        params = params or SamplingParams()
+        params = params or (PoolingParams() if self.pooler else SamplingParams())
         admitted = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params, priority,
                                                 cache_salt)
         self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(admitted.children))
@@ -88,7 +93,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one engine step; return the outputs of the requests that got new tokens, each
         as its output kind asks (FINAL_ONLY requests only when they finish)."""
         outputs, stopped = self.output_processor.process_outputs(self.core.step())

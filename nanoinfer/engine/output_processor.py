@@ -7,7 +7,9 @@ import logging
 from dataclasses import dataclass, field
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
-from nanoinfer.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, RequestOutputKind, TokenLogprobs
+from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineCoreOutput, Logprob,
+                               RequestOutput, RequestOutputKind, TokenLogprobs)
+from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoinfer")
@@ -39,6 +41,7 @@ class ParentState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # from the first child to bring them
     prompt_logprobs_sent: bool = False  # DELTA: they go out once
+    pooling: PoolingParams | None = None  # an embedding's request
 
     @property
     def finished(self) -> bool:
@@ -46,8 +49,10 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, pooler: PoolerConfig | None = None) -> None:
+        """`pooler`: runner="pooling", how the core's pooled vectors become embeddings."""
         self.tokenizer = tokenizer
+        self.pooler = pooler
         # Each token's text alone, as logprobs give it, decoded once: logprobs name the same tokens again and again
         # (20 alternatives per token cost ~55 us to decode, ~1 us to look up).
         self.token_texts: dict[int, str | None] = {}
@@ -55,14 +60,18 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str],
+                    params: SamplingParams | PoolingParams, child_ids: list[str],
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        pooling = params if isinstance(params, PoolingParams) else None
         children = {}
         for i, child_id in enumerate(child_ids):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer else None
-            children[child_id] = ChildState(i, detok, logprobs=[] if params.logprobs is not None else None)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) \
+                if self.tokenizer and pooling is None else None
+            children[child_id] = ChildState(i, detok, logprobs=[] if pooling is None and params.logprobs is not None
+                                            else None)
             self.child_to_parent[child_id] = request_id
-        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children, output_kind)
+        self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children, output_kind,
+                                               pooling=pooling)
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self.parents.get(request_id)
@@ -71,7 +80,8 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
+    def process_outputs(self, outputs: list[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], dict[str, str]]:
         """Returns the updated requests' outputs, each as its RequestOutputKind asks (a
         cumulative output copies the request's tokens, which a FINAL_ONLY or DELTA request
         never pays every step), and the children finished here, with their finish reason:
@@ -79,6 +89,7 @@ class OutputProcessor:
         them in the core)."""
         touched: dict[str, ParentState] = {}
         stopped: dict[str, str] = {}
+        embeddings: list[EmbeddingRequestOutput] = []
         for out in outputs:
             parent_id = self.child_to_parent.get(out.request_id)
             if parent_id is None:
@@ -86,6 +97,9 @@ class OutputProcessor:
             parent = self.parents[parent_id]
             child = parent.children[out.request_id]
             if child.finish_reason is not None:
+                continue
+            if out.pooled is not None:
+                embeddings.append(self._embedding(parent, out.pooled))
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
@@ -106,8 +120,19 @@ class OutputProcessor:
                     child.finish_reason, child.stop_reason = "stop", stop_str
                     stopped[out.request_id] = "stop"
             touched[parent_id] = parent
-        return [self._make_output(p) for p in touched.values()
-                if p.output_kind is not RequestOutputKind.FINAL_ONLY or p.finished], stopped
+        return embeddings + [self._make_output(p) for p in touched.values()
+                             if p.output_kind is not RequestOutputKind.FINAL_ONLY or p.finished], stopped
+
+    def _embedding(self, parent: ParentState, vector: list[float]) -> EmbeddingRequestOutput:
+        """An embedding request's one output: the core's pooled vector, cut and normalized as it asked."""
+        self._forget(parent)
+        return EmbeddingRequestOutput(parent.request_id, parent.prompt_token_ids,
+                                      EmbeddingOutput(self.pooler.finish(vector, parent.pooling)))
+
+    def _forget(self, parent: ParentState) -> None:
+        del self.parents[parent.request_id]
+        for child_id in parent.children:
+            self.child_to_parent.pop(child_id, None)
 
     def _logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         """The token's Logprob, then the top-n alternatives' (ranked 1 to n), keyed by token id."""
@@ -146,9 +171,7 @@ class OutputProcessor:
             child.num_sent = len(child.token_ids)
         finished = parent.finished
         if finished:
-            del self.parents[parent.request_id]
-            for child_id in parent.children:
-                self.child_to_parent.pop(child_id, None)
+            self._forget(parent)
         prompt_logprobs = None if delta and parent.prompt_logprobs_sent else parent.prompt_logprobs
         parent.prompt_logprobs_sent = parent.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions, finished,

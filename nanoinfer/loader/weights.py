@@ -107,10 +107,12 @@ def _is_ignored(name: str, hf_config: Any) -> bool:
     return name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False)
 
 
-def _match_names(model: nn.Module, found: set[str], source: str) -> dict[str, tuple[nn.Parameter, Any]]:
-    """The load targets, once the checkpoint's names are known to be exactly the model's."""
+def _match_names(model: nn.Module, found: set[str], source: str, optional: frozenset[str] = frozenset()
+                 ) -> dict[str, tuple[nn.Parameter, Any]]:
+    """The load targets, once the checkpoint's names are known to be exactly the model's (`optional` ones may
+    be missing)."""
     targets = _checkpoint_targets(model)
-    missing, unexpected = sorted(targets.keys() - found), sorted(found - targets.keys())
+    missing, unexpected = sorted(targets.keys() - found - optional), sorted(found - targets.keys())
     if missing or unexpected:
         raise ValueError(
             f"{source} does not match {type(model).__name__}: "
@@ -135,7 +137,10 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
         ) from e
 
 
-def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any) -> None:
+def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_head: bool = True) -> None:
+    """Every checkpoint tensor into its parameter. An export of the bare model (sentence-transformers' and most
+    embedding models': `layers.0...`, no LM head) loads too, its names read under "model."; its LM head may be
+    missing where nothing computes logits (`needs_lm_head` False: runner="pooling")."""
     files = _safetensors_files(folder)
     names_by_file: dict[Path, list[str]] = {}
     where: dict[str, Path] = {}
@@ -146,7 +151,10 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any) -> None:
             if name in where:  # one would silently overwrite the other
                 raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
             where[name] = file
-    targets = _match_names(model, set(where), f"checkpoint in {str(folder)!r}")
+    own = _checkpoint_targets(model)
+    rename = {n: f"model.{n}" for n in where if n not in own and f"model.{n}" in own}
+    targets = _match_names(model, {rename.get(n, n) for n in where}, f"checkpoint in {str(folder)!r}",
+                           frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
     for file, names in names_by_file.items():
         with _open_safetensors(file) as f:
             for name in names:
@@ -154,7 +162,7 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any) -> None:
                     tensor = f.get_tensor(name)
                 except Exception as e:  # safetensors' own error type: a file cut short, a corrupt offset
                     raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from None
-                _load_tensor(targets, name, tensor)
+                _load_tensor(targets, rename.get(name, name), tensor)
 
 
 @contextmanager
@@ -220,6 +228,7 @@ def load_model(
     load_format: str = "auto",
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    needs_lm_head: bool = True,
 ) -> nn.Module:
     """Build the architecture named by `hf_config` directly on `device` in `dtype` and load its
     weights (`auto` and `safetensors` read `model_path`; `dummy` needs no files)."""
@@ -238,5 +247,5 @@ def load_model(
     if folder is None:
         _fill_dummy(model, hf_config, torch.device(device))
     else:
-        _load_safetensors(model, folder, hf_config)
+        _load_safetensors(model, folder, hf_config, needs_lm_head)
     return model.eval()

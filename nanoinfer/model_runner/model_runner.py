@@ -24,11 +24,13 @@ from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
+from nanoinfer.model_runner.pooler import Pooler
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.sample.metadata import allowed_token_mask
 from nanoinfer.sample.penalties import PenaltyState
 from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
 from nanoinfer.sample.structured import GrammarCompiler
+from nanoinfer.pooling_params import PoolerConfig
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
@@ -58,7 +60,9 @@ class ModelRunner:
         set_fusion(device.type == "cuda" and not config.enforce_eager)
         set_skinny_gemm(device.type == "cuda" and not config.enforce_eager)
         load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
-        self.model = load_model(model_path, hf_config, load_format, dtype, device)
+        self.pooler = Pooler(PoolerConfig.resolve(model_path, hf_config, config.pooler_config).pooling_type) \
+            if config.runner == "pooling" else None
+        self.model = load_model(model_path, hf_config, load_format, dtype, device, needs_lm_head=self.pooler is None)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is not all computed yet
@@ -287,6 +291,8 @@ class ModelRunner:
         else:
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions)
+        if self.pooler is not None:
+            return self._pool(hidden, scheduler_output, metadata.query_start_loc_cpu, logits_indices, sample_states)
         prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output, metadata.query_start_loc_cpu)
         if not sample_states:
             self.last_future = None
@@ -309,6 +315,20 @@ class ModelRunner:
         self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(token_ids), errors, positions,
                                         prompt_logprobs, None if self.grammars is None else self.grammars.accept)
         return self.last_future
+
+    def _pool(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput, query_start_loc: list[int],
+              last_rows: torch.Tensor, finishing: list[CachedRequestState]) -> RunnerFuture | None:
+        """runner="pooling": no sampling; the requests whose prompt this step ends get their pooled vector (rank 0
+        reports it; the hidden states are the same on every TP rank)."""
+        states = [self.requests[r] for r in scheduler_output.num_scheduled_tokens]
+        ends = {s.req_id for s in finishing}
+        vectors = self.pooler(hidden, states, query_start_loc, [i for i, s in enumerate(states) if s.req_id in ends],
+                              last_rows)
+        self.last_future = None
+        if tp_rank() != 0:
+            return None
+        return RunnerFuture([], None, None, pooled=None if vectors is None else
+                            ([s.req_id for s in finishing], copy_to_host(vectors)))
 
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput, query_start_loc: list[int]
                          ) -> tuple[list[tuple[str, int, int, int]], LogprobsTensors] | None:

@@ -80,9 +80,12 @@ class RunnerFuture:
                  host_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None,
                  errors: dict[str, str] | None = None, positions: list[int] | None = None,
                  prompt_logprobs: tuple[list[tuple[str, int, int, int]], LogprobsTensors] | None = None,
-                 accept: Callable[[list[tuple[Any, int]]], None] | None = None) -> None:
-        """`accept`: feeds (grammar matcher, token) pairs, the grammar compiler's (GrammarCompiler.accept)."""
+                 accept: Callable[[list[tuple[Any, int]]], None] | None = None,
+                 pooled: tuple[list[str], tuple[torch.Tensor, torch.cuda.Event | None]] | None = None) -> None:
+        """`accept`: feeds (grammar matcher, token) pairs, the grammar compiler's (GrammarCompiler.accept);
+        `pooled`: runner="pooling", the request ids and the host copy of their vectors."""
         self.states, self.sampled, self.host_copy = states, sampled, host_copy
+        self.pooled = pooled
         self.prompt_logprobs = prompt_logprobs  # on the device until result()
         self.errors = errors or {}
         self.positions = positions or []  # each sampled token's index in its request's token list
@@ -97,7 +100,8 @@ class RunnerFuture:
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
             if not self.states:
-                self._output = ModelRunnerOutput([], [], [], {}, prompt_logprobs_to_lists(self.prompt_logprobs))
+                self._output = ModelRunnerOutput([], [], [], {}, prompt_logprobs_to_lists(self.prompt_logprobs),
+                                                 self._pooled_lists())
                 return self._output
             host, event = self.host_copy
             if event is not None:
@@ -114,3 +118,11 @@ class RunnerFuture:
                                              logprobs_to_lists(self.sampled, self.states), self.errors,
                                              prompt_logprobs_to_lists(self.prompt_logprobs))
         return self._output
+
+    def _pooled_lists(self) -> dict[str, list[float]]:
+        if self.pooled is None:
+            return {}
+        req_ids, (host, event) = self.pooled
+        if event is not None:
+            self.wait_for_device(event)
+        return dict(zip(req_ids, host.tolist()))

@@ -28,6 +28,7 @@ class CachedRequestState:
     matcher: Any = None  # structured outputs: the grammar's matcher, fed every sampled token (ModelRunner)
     penalty_slot: int | None = None  # its token counts in the runner's PenaltyState, from its first sampling
     allowed_mask: torch.Tensor | None = None  # its allowed_token_ids as a [vocab] bool mask, from its first sampling
+    pooled: torch.Tensor | None = None  # runner="pooling", MEAN / CLS: what its prompt's chunks so far pooled to
 
     @property
     def sampling_varies(self) -> bool:

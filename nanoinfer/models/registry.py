@@ -13,6 +13,11 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Bare-model exports, as embedding models ship (runner="pooling"): the same layers without an LM head.
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
 }
 
 

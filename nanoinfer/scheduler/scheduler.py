@@ -198,6 +198,15 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING and request.prompt_logprobs is not None:
                 request.prompt_logprobs[start : start + len(entries)] = entries
+        for req_id, vector in output.pooled.items():  # runner="pooling": a prompt computed is a request done
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while its step ran
+            request.status = RequestStatus.FINISHED_STOPPED
+            results.append(EngineCoreOutput(req_id, [], finish_reason="stop",
+                                            num_cached_tokens=max(request.num_cached_tokens, 0), pooled=vector))
+            self.running.remove(request)
+            self._free_request(request)
         for req_id, token_id, logprobs in zip(output.req_ids, output.sampled_token_ids, output.logprobs):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
