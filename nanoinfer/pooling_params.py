@@ -85,7 +85,7 @@ class PoolerConfig:
         if params.dimensions is None:
             return
         if not self.matryoshka:
-            raise ValueError("this model does not support dimensions (it is not a Matryoshka embedding model: "
+            raise ValueError("dimensions is not supported by this model (it is not a Matryoshka embedding model: "
                              "a shortened vector would be a poor embedding)")
         if params.dimensions > hidden_size:
             raise ValueError(f"dimensions ({params.dimensions}) is more than the model's {hidden_size}")

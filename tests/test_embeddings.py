@@ -114,7 +114,7 @@ def test_normalize_and_dimensions_per_request(embedding_model, tmp_path):
     raw = embed(llm, PROMPTS[:2], PoolingParams(normalize=False))
     for prompt, vector in zip(PROMPTS, raw):
         assert torch.allclose(vector, reference(embedding_model, prompt, "LAST", normalize=False), atol=1e-5)
-    with pytest.raises(ValueError, match="not a Matryoshka embedding model"):
+    with pytest.raises(ValueError, match="dimensions is not supported by this model"):
         llm.embed(PROMPTS[:1], PoolingParams(dimensions=8), use_tqdm=False)
     matryoshka = save_embedding_model(tmp_path / "matryoshka", is_matryoshka=True)
     llm = LLM(matryoshka, runner="pooling", device="cpu")

@@ -162,6 +162,8 @@ def test_health_models_version(server, client):
     import nanoinfer
 
     assert version == {"version": nanoinfer.__version__}
+    with pytest.raises(openai.NotFoundError, match="needs a server started with --runner pooling"):
+        client.embeddings.create(model="tiny", input="hi")
 
 
 def test_tokenize_detokenize(server, offline):

@@ -351,3 +351,17 @@ def test_tp2_follows_grammars_as_tp1(tmp_path_factory, smollm2_path) -> None:
     finally:
         llm.close()
     assert all(re.fullmatch("[a-c]{3}( [0-9]{2})?", text) for text in reference), reference
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_tp2_embeds_as_tp1(tiny_qwen3, pooling_type) -> None:
+    """runner="pooling": rank 0 pools the hidden states every rank holds after the last all-reduce; chunked
+    prefill and preemption under TP too."""
+    kwargs = dict(device="cpu", runner="pooling", pooler_config={"pooling_type": pooling_type}, **PRESSURE)
+    reference = [o.outputs.embedding for o in LLM(tiny_qwen3, **kwargs).embed(tiny_prompts(), use_tqdm=False)]
+    llm = LLM(tiny_qwen3, tensor_parallel_size=2, **kwargs)
+    try:
+        got = [o.outputs.embedding for o in llm.embed(tiny_prompts(), use_tqdm=False)]
+    finally:
+        llm.close()
+    assert torch.allclose(torch.tensor(got), torch.tensor(reference), atol=1e-5)

@@ -30,7 +30,7 @@ from nanoinfer.server.core_client import CoreClient
 from nanoinfer.server.metrics import ServerMetrics
 from nanoinfer.server.openapi import document_api
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, parse_body)
+                                       EmbeddingRequest, TokenizeRequest, parse_body)
 from nanoinfer.server.serving import OpenAIServing
 from nanoinfer.server.reasoning import REASONING_PARSERS
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
@@ -196,6 +196,10 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
     async def chat_completions(raw: Request) -> Response:
         return await serving.create_chat_completion(parse_body(ChatCompletionRequest, await read_json(raw, limit)),
                                                     raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request) -> Response:
+        return await serving.create_embedding(parse_body(EmbeddingRequest, await read_json(raw, limit)), raw)
 
     document_api(app, public_paths)
     return app

@@ -22,6 +22,7 @@ from nanoinfer.engine.input_processor import Admitted, EngineLimits, InputProces
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput, RequestOutputKind
+from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_process import run_engine_core
@@ -116,8 +117,11 @@ class CoreClient:
             raise RuntimeError(f"the engine core failed to start: {message[1]}")
         limits, self.num_blocks = message[1], message[2]
         self.limits = EngineLimits(**(limits | {"eos_token_ids": set(limits["eos_token_ids"])}))
-        self.input_processor = InputProcessor(self.tokenizer, self.limits)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.pooler = PoolerConfig.resolve(source.model_path, source.hf_config, self.config.pooler_config) \
+            if self.config.runner == "pooling" else None
+        self.input_processor = InputProcessor(self.tokenizer, self.limits, pooler=self.pooler,
+                                              hidden_size=source.hf_config.hidden_size)
+        self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._output_loop())
 
@@ -173,20 +177,22 @@ class CoreClient:
 
     # ----- requests in -----
 
-    def admit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams, priority: int = 0,
-              cache_salt: str | None = None) -> list[Admitted]:
+    def admit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams | PoolingParams,
+              priority: int = 0, cache_salt: str | None = None) -> list[Admitted]:
         """Validate and tokenize one API call's prompts (request i is `{request_id}-{i}`): each prompt's text,
         token ids and child requests. Reads the tokenizer and the limits only, so the server runs it in its
         tokenizer thread. Raises ValueError / TypeError for bad input."""
         # Bound the fan-out before any work per prompt or child: each child asks for at least one token.
-        self._check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
+        if isinstance(params, SamplingParams):
+            self._check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
         admitted = [self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt)
                     for i, prompt in enumerate(prompts)]
-        self._check_output_tokens(sum(child.max_tokens for a in admitted for child in a.children),
-                                  params.max_tokens is None)
+        if isinstance(params, SamplingParams):
+            self._check_output_tokens(sum(child.max_tokens for a in admitted for child in a.children),
+                                      params.max_tokens is None)
         return admitted
 
-    def register(self, request_id: str, params: SamplingParams, admitted: list[Admitted],
+    def register(self, request_id: str, params: SamplingParams | PoolingParams, admitted: list[Admitted],
                  stream: bool = False) -> OutputStream:
         """Send `admit`'s requests to the core, all or none. A `stream` gets deltas as tokens arrive, otherwise
         one final output per prompt. Raises OverflowError when the waiting queue is full, EngineDeadError when

@@ -10,7 +10,8 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from nanoinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanoinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                       TokenizeRequest)
 
 _ERROR = {
     "type": "object", "required": ["error"],
@@ -25,7 +26,7 @@ _STREAM = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk of the response; the last event is [DONE]"}}}}}
 _TEXT = {"text/plain": {"schema": {"type": "string"}}}
-_DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+_DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API key", 404: "unknown model, or an endpoint of the other runner (text / embeddings)",
                  413: "request body too large", 500: "the request failed inside the engine (see the server log)",
                  503: "waiting queue full, shutting down, or engine core dead"}
 # path -> (request body, content of a 200, error statuses besides 401)
@@ -38,6 +39,7 @@ _OPERATIONS: dict[str, tuple[type[BaseModel] | None, dict | None, tuple[int, ...
     "/detokenize": (DetokenizeRequest, _JSON, (400, 404, 413)),
     "/v1/completions": (CompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
     "/v1/chat/completions": (ChatCompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
+    "/v1/embeddings": (EmbeddingRequest, _JSON, (400, 404, 413, 503)),
 }
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.tool_calls import (TOOL_CALL_PARSERS, NamedToolCall, RequiredToolCalls, ToolCallExtractor,
                                          parameters_schema, required_schema)
@@ -177,17 +178,20 @@ class CompletionRequest(GenerationRequest):
             raise ApiError(400, "best_of is not supported (it may only equal n)", "best_of")
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompt field as a list of prompts (a string or token ids each)."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
-            return [prompt]
-        if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
-                                                    or all(_is_token_ids(p) for p in prompt)):
-            return prompt
-        if prompt == []:
-            raise ApiError(400, "prompt is empty", "prompt")
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
-                            "of token ids", "prompt")
+        return _prompt_list(self.prompt, "prompt")
+
+
+def _prompt_list(prompt: object, name: str) -> list[str | list[int]]:
+    """A prompt field (`prompt`, an embedding's `input`) as a list of prompts (a string or token ids each)."""
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_is_token_ids(p) for p in prompt)):
+        return prompt
+    if prompt == []:
+        raise ApiError(400, f"{name} is empty", name)
+    raise ApiError(400, f"{name} must be a string, a list of strings, a list of token ids or a list of lists "
+                        f"of token ids", name)
 
 
 class ContentPart(_Body):
@@ -335,6 +339,31 @@ class ChatCompletionRequest(GenerationRequest):
         schema = required_schema(tools, self.parallel_tool_calls) if choice == "required" else \
             parameters_schema(tools, choice.function.name)
         return {"json": schema, "disable_any_whitespace": True}  # arguments for a program: no room to pad them
+
+
+class EmbeddingRequest(_Body):
+    """/v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt."""
+
+    model: str | None = None
+    input: Any  # checked by prompts()
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    stream: ClassVar[bool] = False  # one response, always
+
+    def prompts(self) -> list[str | list[int]]:
+        return _prompt_list(self.input, "input")
+
+    def pooling_params(self) -> PoolingParams:
+        try:
+            return PoolingParams(self.normalize, self.dimensions, self.truncate_prompt_tokens)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), next((f for f in ("dimensions", "truncate_prompt_tokens", "normalize")
+                                              if str(e).startswith(f)), None)) from None
 
 
 class TokenizeRequest(_Body):

@@ -6,6 +6,7 @@ template handling."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import functools
 import json
@@ -16,22 +17,25 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
-from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from nanoinfer.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       DetokenizeRequest, GenerationRequest, TokenizeRequest, template_tools)
+                                       DetokenizeRequest, EmbeddingRequest, GenerationRequest, TokenizeRequest,
+                                       template_tools)
 from nanoinfer.server.reasoning import ThinkReasoning, reasoning_reader
 from nanoinfer.server.tool_calls import ToolCallExtractor
 
 # Words that start our validation messages ("top_p must be ...") and name a request field.
-_FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt", "priority", "tools",
-                                                                      "chat_template_kwargs"}
+_FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams) + dataclasses.fields(PoolingParams)} | {
+    "prompt", "priority", "tools", "chat_template_kwargs"}
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _RETRY_AFTER_SECONDS = "1"
 _OFF_LOOP_BODY_BYTES = 16 << 10  # 16 KB of text: ~4 ms to tokenize on a slow core
@@ -42,6 +46,14 @@ logger = logging.getLogger("nanoinfer")
 def _param(message: str, renames: dict[str, str]) -> str | None:
     word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")  # "structured_outputs.json must ..." names its field
     return renames.get(word, word) if word in _FIELD_NAMES else None
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's two forms: the numbers, or their little-endian float32 bytes in base64 (what the openai client
+    asks for by default, and decodes with numpy)."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
 def _request_failed(request_id: str) -> ApiError:
@@ -176,10 +188,20 @@ class OpenAIServing:
         if name is not None and name not in self.model_names:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_names}", "model")
 
+    def check_runner(self, embeddings: bool) -> None:
+        """A server makes either embeddings (--runner pooling) or text: the other kind's endpoints are 404s."""
+        if embeddings and self.client.pooler is None:
+            raise ApiError(404, "this server generates text: /v1/embeddings needs a server started with --runner "
+                                "pooling")
+        if not embeddings and self.client.pooler is not None:
+            raise ApiError(404, "this server makes embeddings (--runner pooling): it serves /v1/embeddings, not "
+                                "text generation")
+
     # ----- /v1/completions -----
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_runner(embeddings=False)
         req.check_supported()
         # echo with max_tokens 0 scores the prompt alone (as vLLM): one token is made, and left out of the response.
         echo_only = req.echo and req.max_tokens == 0
@@ -220,6 +242,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_runner(embeddings=False)
         req.check_tools(self.tool_call_parser)
         max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         renames = {"prompt": "messages", "logprobs": "top_logprobs", "max_tokens": max_name,
@@ -318,6 +341,26 @@ class OpenAIServing:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
+    # ----- /v1/embeddings -----
+
+    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        self.check_runner(embeddings=True)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        stream = await self._generate(request_id, req.prompts, req.pooling_params(), req, {"prompt": "input"}, raw)
+        outputs = await self._collect(stream, raw)
+        if outputs is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        if not all(isinstance(o, EmbeddingRequestOutput) for o in outputs):  # aborted: the server is draining
+            raise ApiError(503, "the server is shutting down")
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
+                             "model": self.model_names[0],
+                             "data": [{"object": "embedding", "index": i,
+                                       "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
+                                      for i, o in enumerate(outputs)],
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
     # ----- shared -----
 
     @staticmethod
@@ -330,8 +373,8 @@ class OpenAIServing:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
 
     async def _generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
-                        params: SamplingParams, req: GenerationRequest, renames: dict[str, str],
-                        raw: Request) -> OutputStream:
+                        params: SamplingParams | PoolingParams, req: GenerationRequest | EmbeddingRequest,
+                        renames: dict[str, str], raw: Request) -> OutputStream:
         """Admit the request: its prompts are made (a chat template rendered) and tokenized (`_tokenizing`),
         then registered with the core on the event loop."""
         if not self.accepting:
@@ -343,7 +386,8 @@ class OpenAIServing:
             return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt)
 
         try:
-            prompts, admitted = await self._tokenizing(raw, admit, grammar=params.structured_outputs is not None)
+            prompts, admitted = await self._tokenizing(
+                raw, admit, grammar=getattr(params, "structured_outputs", None) is not None)
             if not self.accepting:  # the drain began while the prompt was tokenized
                 raise ApiError(503, "the server is shutting down")
             if self.log_prompts:

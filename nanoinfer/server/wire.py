@@ -67,14 +67,14 @@ def _decode_logprobs(rows: list | None) -> list[TokenLogprobs | None] | None:
 def encode_outputs(outputs: list[EngineCoreOutput]) -> list[list]:
     return [[o.request_id, o.new_token_ids,
              None if all(lp is None for lp in o.new_logprobs) else _encode_logprobs(o.new_logprobs),
-             o.finish_reason, o.stop_reason, o.num_cached_tokens, _encode_logprobs(o.prompt_logprobs)]
+             o.finish_reason, o.stop_reason, o.num_cached_tokens, _encode_logprobs(o.prompt_logprobs), o.pooled]
             for o in outputs]
 
 
 def decode_outputs(rows: list[list]) -> list[EngineCoreOutput]:
     outputs = []
-    for request_id, token_ids, logprobs, finish_reason, stop_reason, num_cached, prompt_logprobs in rows:
+    for request_id, token_ids, logprobs, finish_reason, stop_reason, num_cached, prompt_logprobs, pooled in rows:
         new_logprobs = _decode_logprobs(logprobs) or [None] * len(token_ids)
         outputs.append(EngineCoreOutput(request_id, token_ids, new_logprobs, finish_reason, stop_reason, num_cached,
-                                        _decode_logprobs(prompt_logprobs)))
+                                        _decode_logprobs(prompt_logprobs), pooled))
     return outputs

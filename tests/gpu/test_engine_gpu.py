@@ -135,6 +135,30 @@ def test_prompt_logprobs_in_mixed_step_graphs_equal_the_reference_path_fp32(monk
         assert torch.allclose(torch.tensor(ours), torch.tensor(ref), atol=1e-3)
 
 
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
+def test_embeddings_in_graph_replays_equal_the_reference_path(monkeypatch, pooling_type: str) -> None:
+    """runner="pooling": prompts prefilled in chunks of 256 tokens replay mixed-step graphs, and the vectors
+    pooled from their hidden states equal the PyTorch reference path's (fp32; then bf16, within bf16's error)."""
+    from nanoinfer import LLM
+
+    def embed(**engine_args) -> torch.Tensor:
+        llm = LLM(CONFIG, load_format="dummy", max_model_len=2048, gpu_memory_utilization=0.4, runner="pooling",
+                  pooler_config={"pooling_type": pooling_type}, max_num_batched_tokens=256, **engine_args)
+        try:
+            return torch.tensor([o.outputs.embedding for o in llm.embed(prompts(), use_tqdm=False)])
+        finally:
+            llm.close()
+            del llm
+            free_gpu_memory()
+
+    steps = record_mixed_steps(monkeypatch)
+    fast = embed(dtype="float32")
+    assert steps, "no step replayed a mixed-step graph"
+    assert torch.allclose(fast, embed(dtype="float32", **REFERENCE_PATH), atol=1e-4)
+    bf16 = embed(dtype="bfloat16")
+    assert (bf16 * fast).sum(dim=1).min() > 0.99  # cosine similarity (both normalized)
+
+
 def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
     """kv_cache_dtype="fp8": K/V rounded to float8_e4m3fn as they are stored. Two correct paths can
     round a K/V value to neighbouring fp8 values (its fp32 input differs in the last bits), a 6%

@@ -1,0 +1,80 @@
+"""/v1/embeddings end to end: a `nanoinfer serve --runner pooling` process driven by the official `openai` client,
+against `LLM.embed` on the same weights; the errors of both runners' endpoints."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from nanoinfer import LLM, PoolingParams
+from test_server import launch_server, tiny_model_with_smollm2_vocab
+
+POOLER = '{"pooling_type": "MEAN"}'
+TEXTS = ["The capital of France is", "Embeddings map text to vectors.", "a"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    return tiny_model_with_smollm2_vocab(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(model_path, smollm2_path, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("embedding_server_log") / "server.log")
+    srv = launch_server(log, model_path, "--tokenizer", smollm2_path, "--runner", "pooling", "--pooler-config", POOLER,
+                        "--served-model-name", "embedder", "--max-model-len", "64")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def offline(model_path, smollm2_path) -> LLM:
+    return LLM(model_path, tokenizer=smollm2_path, runner="pooling", pooler_config={"pooling_type": "MEAN"},
+               max_model_len=64, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_embeddings_match_offline_in_both_encodings(client, offline):
+    expected = [o.outputs.embedding for o in offline.embed(TEXTS, use_tqdm=False)]
+    for encoding in ({}, {"encoding_format": "float"}):  # unless told, the client asks for base64 and decodes it
+        response = client.embeddings.create(model="embedder", input=TEXTS, **encoding)
+        assert [d.index for d in response.data] == [0, 1, 2] and response.model == "embedder"
+        for got, want in zip(response.data, expected):
+            assert np.allclose(got.embedding, want, atol=1e-6) and np.isclose(np.linalg.norm(got.embedding), 1.0)
+        prompt_tokens = sum(len(offline.tokenizer.encode(t)) for t in TEXTS)
+        assert response.usage.prompt_tokens == response.usage.total_tokens == prompt_tokens
+    ids = offline.tokenizer.encode(TEXTS[0])
+    by_ids = client.embeddings.create(model="embedder", input=[ids], encoding_format="float").data[0].embedding
+    assert np.allclose(by_ids, expected[0], atol=1e-6)
+    raw = httpx.post(f"{client.base_url}embeddings", json={"input": TEXTS[1], "normalize": False}).json()
+    want = offline.embed(TEXTS[1:2], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
+    assert np.allclose(raw["data"][0]["embedding"], want, atol=1e-6)
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"input": []}, 400, "input", "input is empty"),
+    ({"input": [1, "a"]}, 400, "input", "input must be a string"),
+    ({"input": "x", "dimensions": 8}, 400, "dimensions", "dimensions is not supported by this model"),
+    ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions must be at least 1"),
+    ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"input": [5] * 65}, 400, "input", "prompt has 65 tokens; max_model_len allows at most 64"),
+    ({"input": "x", "model": "gpt"}, 404, "model", "does not exist"),
+])
+def test_bad_embedding_requests(server, body, status, param, message):
+    response = httpx.post(f"{server.url}/v1/embeddings", json=body)
+    error = response.json()["error"]
+    assert response.status_code == status and error["param"] == param and message in error["message"], error
+
+
+def test_a_pooling_server_generates_nothing(server, client):
+    with pytest.raises(openai.NotFoundError, match="it serves /v1/embeddings"):
+        client.completions.create(model="embedder", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="it serves /v1/embeddings"):
+        client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "hi"}])
+    assert httpx.get(f"{server.url}/health").status_code == 200
