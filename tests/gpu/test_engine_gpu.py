@@ -138,7 +138,9 @@ def test_prompt_logprobs_in_mixed_step_graphs_equal_the_reference_path_fp32(monk
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 def test_embeddings_in_graph_replays_equal_the_reference_path(monkeypatch, pooling_type: str) -> None:
     """runner="pooling": prompts prefilled in chunks of 256 tokens replay mixed-step graphs, and the vectors
-    pooled from their hidden states equal the PyTorch reference path's (fp32; then bf16, within bf16's error)."""
+    pooled from their hidden states equal the PyTorch reference path's in fp32. In bf16 the 28 random layers
+    take any path's vectors far from fp32's (cosine ~0.7-0.85 on an H200): the fast path must stay as close to
+    them as the reference path in bf16 does."""
     from nanoinfer import LLM
 
     def embed(**engine_args) -> torch.Tensor:
@@ -155,8 +157,11 @@ def test_embeddings_in_graph_replays_equal_the_reference_path(monkeypatch, pooli
     fast = embed(dtype="float32")
     assert steps, "no step replayed a mixed-step graph"
     assert torch.allclose(fast, embed(dtype="float32", **REFERENCE_PATH), atol=1e-4)
-    bf16 = embed(dtype="bfloat16")
-    assert (bf16 * fast).sum(dim=1).min() > 0.99  # cosine similarity (both normalized)
+    fast_bf16, reference_bf16 = embed(dtype="bfloat16"), embed(dtype="bfloat16", **REFERENCE_PATH)
+    cosine_fast, cosine_reference = ((v * fast).sum(dim=1).mean().item() for v in (fast_bf16, reference_bf16))
+    print(f"{pooling_type} bf16, mean cosine to fp32 over 32 prompts: fast path {cosine_fast:.3f}, reference path "
+          f"{cosine_reference:.3f}")
+    assert cosine_fast >= cosine_reference - 0.05
 
 
 def test_fast_path_with_fp8_kv_cache_tracks_fp32_like_the_reference_path(fp32_reference: list) -> None:
