@@ -77,7 +77,8 @@ class PoolerConfig:
             raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {pooling_type!r:.40}")
         if not isinstance(normalize, bool):
             raise TypeError(f"pooler_config normalize must be a bool, got {normalize!r:.40}")
-        matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or getattr(hf_config, "matryoshka_dimensions", None))
+        matryoshka = bool(getattr(hf_config, "is_matryoshka", False)
+                          or getattr(hf_config, "matryoshka_dimensions", None))
         return cls(pooling_type, normalize, matryoshka)
 
     def check(self, params: PoolingParams, hidden_size: int) -> None:

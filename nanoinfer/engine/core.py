@@ -94,7 +94,8 @@ class EngineCore:
             self.tp_driver.attach(self.runner)
         else:
             self.runner = start_model_runner(config, self.source, self.device, self.dtype)
-        if self.runner.pooler is not None and self.runner.pooler.pooling_type != "LAST" and config.enable_prefix_caching:
+        pooler = self.runner.pooler
+        if pooler is not None and pooler.pooling_type != "LAST" and config.enable_prefix_caching:
             # MEAN / CLS pool every prompt token's hidden state, so no prompt may skip its cached prefix: vLLM too
             # caches prefixes for LAST pooling only.
             self.config = config = dataclasses.replace(config, enable_prefix_caching=False)

@@ -174,7 +174,8 @@ class InputProcessor:
         tokens, and its text becomes theirs."""
         pooling = isinstance(params, PoolingParams)
         if not (pooling or isinstance(params, SamplingParams)):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be SamplingParams (or PoolingParams: embeddings), got "
+                            f"{type(params).__name__}")
         if pooling != (self.pooler is not None):
             raise ValueError("this engine makes embeddings (runner='pooling'): it takes PoolingParams, not "
                              "SamplingParams" if self.pooler else "embeddings need an engine built with "
