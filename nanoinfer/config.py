@@ -68,11 +68,12 @@ class EngineConfig:
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel ranks")
     max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
+    generation_config: str = _arg("auto", "default sampling parameters of requests that leave them unset: auto takes temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens from the model folder's generation_config.json (as vLLM does); vllm ignores it; or a folder with a generation_config.json")
     runner: str = _arg("generate", "what the model does: generate text, or pool its hidden states into embeddings (LLM.embed, /v1/embeddings)", ("generate", "pooling"))
     pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
 
     def __post_init__(self) -> None:
-        for name in ("model", "tokenizer"):  # a pathlib.Path is a path too
+        for name in ("model", "tokenizer", "generation_config"):  # a pathlib.Path is a path too
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 if not isinstance(value, os.PathLike):

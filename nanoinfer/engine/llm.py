@@ -97,8 +97,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
-        return self._submit(prompts, SamplingParams() if sampling_params is None else sampling_params, use_tqdm)
+        """Generate for every prompt; outputs come back in prompt order. Without `sampling_params`, the model's
+        defaults (`get_default_sampling_params`)."""
+        return self._submit(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params,
+                            use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams() with the values of the model's generation_config.json (temperature, top_p,
+        top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), unless generation_config='vllm'."""
+        return self.engine.default_sampling_params()
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,

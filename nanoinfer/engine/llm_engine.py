@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import os
 
 from nanoinfer.config import EngineConfig
@@ -18,8 +17,6 @@ from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutp
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
-
-logger = logging.getLogger("nanoinfer")
 
 
 def load_tokenizer(path: str | None):
@@ -60,7 +57,12 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler,
                                               self.pooler, source.hf_config.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
+        self.default_sampling = source.default_sampling
         self._admissions = itertools.count()
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's recommended values (EngineConfig.generation_config) in place."""
+        return SamplingParams(**self.default_sampling)
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
@@ -77,7 +79,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, (SamplingParams, PoolingParams)):
             params = dataclasses.replace(params)  # validated again (a field may have been set after construction)
-        params = params or (PoolingParams() if self.pooler else SamplingParams())
+        params = params or (PoolingParams() if self.pooler else self.default_sampling_params())
         admitted = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params, priority,
                                                 cache_salt)
         self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(admitted.children))

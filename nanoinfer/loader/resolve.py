@@ -5,10 +5,13 @@ the context length and the token ids that end generation."""
 from __future__ import annotations
 
 import json
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoinfer.config import EngineConfig
+
+logger = logging.getLogger("nanoinfer")
 
 
 @dataclass
@@ -18,6 +21,14 @@ class ModelSource:
     tokenizer_path: str | None
     max_model_len: int
     eos_token_ids: set[int]
+    # SamplingParams fields the model's creators recommend (generation_config.json): what a request leaves unset
+    # takes from here (EngineConfig.generation_config).
+    default_sampling: dict = field(default_factory=dict)
+
+
+# generation_config.json's sampling fields, as vLLM reads them (`--generation-config auto`), and SamplingParams' names.
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def _as_folder(path: str) -> str:
@@ -102,14 +113,49 @@ def resolve_model(config: EngineConfig) -> ModelSource:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
 
     eos = _eos_ids(getattr(hf_config, "eos_token_id", None), "config.json")
-    gen_config = os.path.join(model_path, "generation_config.json")
-    if os.path.isfile(gen_config):
-        try:
-            with open(gen_config) as f:
-                generation = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{gen_config} is not valid JSON: {e}") from None
-        if not isinstance(generation, dict):
-            raise ValueError(f"{gen_config} must hold a JSON object, got {type(generation).__name__}")
-        eos |= _eos_ids(generation.get("eos_token_id"), gen_config)
-    return ModelSource(model_path, hf_config, tokenizer_path, max_model_len, eos)
+    generation = _generation_config(model_path)
+    if generation is not None:
+        eos |= _eos_ids(generation.get("eos_token_id"), os.path.join(model_path, "generation_config.json"))
+    return ModelSource(model_path, hf_config, tokenizer_path, max_model_len, eos,
+                       _default_sampling(config.generation_config, model_path, generation))
+
+
+def _generation_config(folder: str) -> dict | None:
+    """The folder's generation_config.json, if it has one."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            generation = json.load(f)
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(generation, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(generation).__name__}")
+    return generation
+
+
+def _default_sampling(option: str, model_path: str, generation: dict | None) -> dict:
+    """The sampling defaults `option` names: the model folder's generation_config.json ("auto"), none ("vllm"),
+    or another folder's; checked as SamplingParams would check them."""
+    from nanoinfer.sampling_params import SamplingParams
+
+    if option == "vllm":
+        return {}
+    if option != "auto":
+        if not os.path.isdir(option):
+            raise FileNotFoundError(f"generation_config {option!r} is not 'auto', 'vllm' or a folder")
+        generation = _generation_config(option)
+        if generation is None:
+            raise FileNotFoundError(f"generation_config: {option!r} holds no generation_config.json")
+        model_path = option
+    defaults = {name: generation[key] for key, name in _GENERATION_FIELDS.items() if key in (generation or {})}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{os.path.join(model_path, 'generation_config.json')}: {e}") from None
+    if defaults:
+        logger.info("default sampling parameters from %s (requests that leave them unset take them; "
+                    "generation_config='vllm' ignores them): %s", os.path.join(model_path, "generation_config.json"),
+                    defaults)
+    return defaults

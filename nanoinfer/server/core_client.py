@@ -104,6 +104,7 @@ class CoreClient:
         """Resolve the model, start the core process and wait until it has loaded it."""
         source, self.tokenizer = load_model_and_tokenizer(self.config)
         self.model_path = source.model_path
+        self.default_sampling = source.default_sampling  # what requests leave unset (generation_config.json)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._proc = ctx.Process(target=run_engine_core, name="nanoinfer-engine-core", args=(
             self.config, source, f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output"))

@@ -112,8 +112,13 @@ class GenerationRequest(_Body):
         if self.prompt_logprobs is not None and self.stream:  # a chunk has no field for them
             raise ApiError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+                        ) -> SamplingParams:
+        """`defaults`: the model's recommended values (its generation_config.json), for the fields left unset."""
+        defaults = dict(defaults or {})
+        default_max_tokens = defaults.pop("max_tokens", None)
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        given = defaults | {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         if self.logit_bias:
             bad = next((k for k in self.logit_bias if not (k.isascii() and k.isdigit() and len(k) <= 20)), None)
             if bad is not None:

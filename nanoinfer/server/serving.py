@@ -363,12 +363,11 @@ class OpenAIServing:
 
     # ----- shared -----
 
-    @staticmethod
-    def _sampling_params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None,
+    def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, logprobs: int | None,
                          renames: dict[str, str]) -> SamplingParams:
         req.check_stream_options()
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            return req.sampling_params(max_tokens, logprobs, self.client.default_sampling)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
 
