@@ -51,20 +51,25 @@ def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Unset flags are None: `sampling_params` tells them from given ones."""
     group = parser.add_argument_group("sampling arguments")
     for flag, (_, kind, default, help_text) in SAMPLING_FLAGS.items():
         if kind is bool:
-            group.add_argument(flag, action="store_true", help=help_text)
+            group.add_argument(flag, action="store_true", default=None, help=help_text)
         elif flag == "--stop":
             group.add_argument(flag, action="append", help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+            group.add_argument(flag, type=kind, default=None,
+                               help=f"{help_text} (default: the model's generation_config.json, else {default})")
 
 
-def sampling_params(args: argparse.Namespace):
+def sampling_params(args: argparse.Namespace, model_defaults: dict):
+    """The flags given, then the model's recommendations (generation_config.json), then the CLI's defaults."""
     from nanoinfer.sampling_params import SamplingParams
 
-    return SamplingParams(**{name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, *_) in SAMPLING_FLAGS.items()})
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, *_) in SAMPLING_FLAGS.items()}
+    defaults = {name: default for name, _, default, _ in SAMPLING_FLAGS.values()}
+    return SamplingParams(**(defaults | model_defaults | {k: v for k, v in given.items() if v is not None}))
 
 
 def _build_llm(args: argparse.Namespace):
@@ -76,7 +81,7 @@ def _build_llm(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
-    params = sampling_params(args)
+    params = sampling_params(args, llm.engine.default_sampling)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     for text in llm.stream(prompt, params):
         print(text, end="", flush=True)
@@ -86,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
-    params = sampling_params(args)
+    params = sampling_params(args, llm.engine.default_sampling)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
     while True:

@@ -73,3 +73,12 @@ def test_server_applies_the_models_defaults(model, smollm2_path, tmp_path):
         assert "default sampling parameters from" in server.log()
     finally:
         assert server.stop() == 0
+
+
+def test_cli_flags_over_the_models_defaults_over_the_clis():
+    from nanoinfer.cli import build_parser, sampling_params
+
+    args = build_parser().parse_args(["generate", "hi", "--temperature", "0.5"])
+    params = sampling_params(args, {"temperature": 0.0, "top_k": 20})
+    assert (params.temperature, params.top_k, params.max_tokens, params.top_p) == (0.5, 20, 256, 1.0)
+    assert sampling_params(build_parser().parse_args(["generate", "hi"]), {}).temperature == 0.7
