@@ -2,11 +2,12 @@
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.llm import LLM
-from nanoinfer.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput, RequestOutputKind
+from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
+                               RequestOutputKind, ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput",
            "__version__"]

@@ -121,3 +121,17 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (`LLM.score`, vLLM's type): the cosine similarity of its two embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

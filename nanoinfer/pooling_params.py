@@ -99,3 +99,20 @@ class PoolerConfig:
             norm = math.sqrt(math.fsum(v * v for v in vector))
             vector = [v / max(norm, 1e-12) for v in vector]
         return vector
+
+
+def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
+    """vLLM's pairing of a score request's two sides: one text against each of the other side's, or the two
+    sides element by element."""
+    if num_1 == 1:
+        return [(0, j) for j in range(num_2)]
+    if num_1 == num_2:
+        return [(i, i) for i in range(num_1)]
+    raise ValueError(f"the first side of a score request has {num_1} texts and the second {num_2}: give one "
+                     f"first text, or as many as the second side has")
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    """The cosine similarity of two embeddings: a bi-encoder's score (vLLM's for embedding models)."""
+    dot = math.fsum(x * y for x, y in zip(a, b))
+    return dot / max(math.sqrt(math.fsum(x * x for x in a) * math.fsum(y * y for y in b)), 1e-12)

@@ -153,3 +153,17 @@ def test_a_causal_lm_checkpoint_embeds_too(tiny_models):
     with torch.no_grad():
         hidden = model.model(torch.tensor([PROMPTS[1]])).last_hidden_state[0, -1]
     assert torch.allclose(embed(llm, PROMPTS[1:2])[0], torch.nn.functional.normalize(hidden, dim=0), atol=1e-5)
+
+
+def test_score_is_the_cosine_of_each_pairs_embeddings(embedding_model):
+    llm = LLM(embedding_model, runner="pooling", device="cpu")
+    vectors = embed(llm, PROMPTS[:3])
+    one_to_many = llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False)
+    assert [o.outputs.score for o in one_to_many] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), float(vectors[0] @ vectors[2])], abs=1e-6)  # unit vectors: dot = cosine
+    pairwise = llm.score(PROMPTS[:2], PROMPTS[1:3], use_tqdm=False)
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [float(vectors[0] @ vectors[1]), float(vectors[1] @ vectors[2])], abs=1e-6)
+    assert llm.score(PROMPTS[1], PROMPTS[1], use_tqdm=False)[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="first side of a score request has 2 texts and the second 3"):
+        llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)

@@ -72,9 +72,33 @@ def test_bad_embedding_requests(server, body, status, param, message):
     assert response.status_code == status and error["param"] == param and message in error["message"], error
 
 
+def test_score_and_rerank_match_offline_cosines(server, offline):
+    query, documents = "Where is Paris?", ["Paris is in France.", "Bananas are yellow.", "France's capital."]
+    vectors = [np.array(o.outputs.embedding) for o in offline.embed([query, *documents], use_tqdm=False)]
+    cosines = [float(vectors[0] @ v) for v in vectors[1:]]  # unit vectors
+    for path, fields in (("/score", {"queries": query, "documents": documents}),
+                         ("/v1/score", {"text_1": query, "text_2": documents})):
+        data = httpx.post(f"{server.url}{path}", json=fields).json()["data"]
+        assert [d["index"] for d in data] == [0, 1, 2] and np.allclose([d["score"] for d in data], cosines, atol=1e-6)
+    order = sorted(range(3), key=lambda i: -cosines[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        reply = httpx.post(f"{server.url}{path}", json={"query": query, "documents": documents, "top_n": 2}).json()
+        assert [r["index"] for r in reply["results"]] == order[:2]
+        assert np.allclose([r["relevance_score"] for r in reply["results"]], [cosines[i] for i in order[:2]], atol=1e-6)
+        assert [r["document"]["text"] for r in reply["results"]] == [documents[i] for i in order[:2]]
+        assert reply["usage"]["total_tokens"] == sum(len(offline.tokenizer.encode(t)) for t in [query, *documents])
+    bad = [("/score", {"queries": ["a", "b"], "documents": ["c", "d", "e"]}, "has 2 texts and the second 3"),
+           ("/score", {"queries": "a", "text_2": "b"}, "give queries and documents"),
+           ("/rerank", {"query": "a", "documents": []}, "documents is empty")]
+    for path, body, message in bad:
+        response = httpx.post(f"{server.url}{path}", json=body)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
 def test_a_pooling_server_generates_nothing(server, client):
     with pytest.raises(openai.NotFoundError, match="it serves /v1/embeddings"):
         client.completions.create(model="embedder", prompt="hi", max_tokens=2)
     with pytest.raises(openai.NotFoundError, match="it serves /v1/embeddings"):
         client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "hi"}])
     assert httpx.get(f"{server.url}/health").status_code == 200
+

@@ -1,4 +1,4 @@
-"""The offline API: `LLM(...).generate(prompts, params)`, `chat`, `stream`; `embed` with runner="pooling"."""
+"""The offline API: `LLM(...).generate(prompts, params)`, `chat`, `stream`; `embed` and `score` with runner="pooling"."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanoinfer.engine.llm_engine import LLMEngine
-from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
-from nanoinfer.pooling_params import PoolingParams
+from nanoinfer.outputs import (EmbeddingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
+                               ScoringRequestOutput)
+from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
 from nanoinfer.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (either with an
@@ -33,6 +34,13 @@ def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
         raise ValueError(f"a dict prompt takes one of {list(_PROMPT_KEYS)} and optionally 'cache_salt', got "
                          f"keys {sorted(prompt)}")
     return prompt[given[0]], prompt.get("cache_salt")
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids or a dict) or several, as a list of prompts."""
+    if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _check_messages(messages: object) -> None:
@@ -114,11 +122,19 @@ class LLM:
         runner="pooling"."""
         return self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm)
 
+    def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's scoring with an embedding model (runner="pooling"): the cosine similarity of each pair's
+        embeddings, pairing one `data_1` text with each of `data_2`'s, or the two lists element by element."""
+        side_1, side_2 = _prompt_list(data_1), _prompt_list(data_2)
+        pairs = score_pairs(len(side_1), len(side_2))
+        vectors = [o.outputs.embedding for o in self.embed(side_1 + side_2, use_tqdm=use_tqdm)]
+        return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[len(side_1) + b])))
+                for i, (a, b) in enumerate(pairs)]
+
     def _submit(self, prompts: Prompt | Sequence[Prompt], params: Any, use_tqdm: bool) -> list:
         """Add every prompt with its params (one for all, or one each) and run them to the end, all or none."""
-        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = [params] * len(prompts) if isinstance(params, (SamplingParams, PoolingParams)) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")

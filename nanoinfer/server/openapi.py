@@ -11,7 +11,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from nanoinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                       TokenizeRequest)
+                                       RerankRequest, ScoreRequest, TokenizeRequest)
 
 _ERROR = {
     "type": "object", "required": ["error"],
@@ -40,6 +40,8 @@ _OPERATIONS: dict[str, tuple[type[BaseModel] | None, dict | None, tuple[int, ...
     "/v1/completions": (CompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
     "/v1/chat/completions": (ChatCompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
     "/v1/embeddings": (EmbeddingRequest, _JSON, (400, 404, 413, 503)),
+    **{path: (ScoreRequest, _JSON, (400, 404, 413, 503)) for path in ("/score", "/v1/score")},
+    **{path: (RerankRequest, _JSON, (400, 404, 413, 503)) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }
 
 

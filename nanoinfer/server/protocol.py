@@ -346,29 +346,67 @@ class ChatCompletionRequest(GenerationRequest):
         return {"json": schema, "disable_any_whitespace": True}  # arguments for a program: no room to pad them
 
 
-class EmbeddingRequest(_Body):
-    """/v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt."""
+class _PoolingBody(_Body):
+    """What the embedding model's endpoints share (vLLM's extras)."""
 
     model: str | None = None
-    input: Any  # checked by prompts()
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
     truncate_prompt_tokens: int | None = None
-    normalize: bool | None = None
     priority: int = 0
     cache_salt: str | None = None
     stream: ClassVar[bool] = False  # one response, always
 
-    def prompts(self) -> list[str | list[int]]:
-        return _prompt_list(self.input, "input")
-
-    def pooling_params(self) -> PoolingParams:
+    def pooling_params(self, normalize: bool | None = None, dimensions: int | None = None) -> PoolingParams:
         try:
-            return PoolingParams(self.normalize, self.dimensions, self.truncate_prompt_tokens)
+            return PoolingParams(normalize, dimensions, self.truncate_prompt_tokens)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), next((f for f in ("dimensions", "truncate_prompt_tokens", "normalize")
                                               if str(e).startswith(f)), None)) from None
+
+
+class EmbeddingRequest(_PoolingBody):
+    """/v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt."""
+
+    input: Any  # checked by prompts()
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    normalize: bool | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        return _prompt_list(self.input, "input")
+
+
+class ScoreRequest(_PoolingBody):
+    """/score: vLLM's `queries` and `documents` (or its older `text_1` and `text_2`): one query against each
+    document, or the two lists pair by pair."""
+
+    queries: Any = None
+    documents: Any = None
+    text_1: Any = None
+    text_2: Any = None
+
+    def sides(self) -> tuple[list[str | list[int]], list[str | list[int]]]:
+        given = [name for name in ("queries", "documents", "text_1", "text_2") if getattr(self, name) is not None]
+        if given not in (["queries", "documents"], ["text_1", "text_2"]):
+            raise ApiError(400, f"give queries and documents (or text_1 and text_2), got {given}", None)
+        first, second = given
+        return _prompt_list(getattr(self, first), first), _prompt_list(getattr(self, second), second)
+
+
+class RerankRequest(_PoolingBody):
+    """/rerank (Jina's and Cohere's API, as vLLM serves it): the documents ordered by relevance to the query."""
+
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # the best n (None or 0: all)
+    return_documents: bool = True
+
+    def prompts(self) -> list[str]:
+        if not self.documents:
+            raise ApiError(400, "documents is empty", "documents")
+        if self.top_n is not None and self.top_n < 0:
+            raise ApiError(400, f"top_n must be at least 0, got {self.top_n}", "top_n")
+        return [self.query, *self.documents]
 
 
 class TokenizeRequest(_Body):

@@ -24,12 +24,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
 from nanoinfer.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
-from nanoinfer.pooling_params import PoolingParams
+from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       DetokenizeRequest, EmbeddingRequest, GenerationRequest, TokenizeRequest,
-                                       template_tools)
+                                       DetokenizeRequest, EmbeddingRequest, GenerationRequest, RerankRequest,
+                                       ScoreRequest, TokenizeRequest, template_tools)
 from nanoinfer.server.reasoning import ThinkReasoning, reasoning_reader
 from nanoinfer.server.tool_calls import ToolCallExtractor
 
@@ -341,25 +341,68 @@ class OpenAIServing:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    # ----- /v1/embeddings -----
+    # ----- embedding models: /v1/embeddings, /score, /rerank -----
 
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        self.check_runner(embeddings=True)
+        self._check_pooling(req)
         request_id = f"embd-{uuid.uuid4().hex}"
-        stream = await self._generate(request_id, req.prompts, req.pooling_params(), req, {"prompt": "input"}, raw)
-        outputs = await self._collect(stream, raw)
+        outputs = await self._pool(request_id, req.prompts, req.pooling_params(req.normalize, req.dimensions), req,
+                                   {"prompt": "input"}, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        if not all(isinstance(o, EmbeddingRequestOutput) for o in outputs):  # aborted: the server is draining
-            raise ApiError(503, "the server is shutting down")
+        return JSONResponse(self._pooled_base(request_id, outputs) | {
+            "object": "list", "data": [{"object": "embedding", "index": i,
+                                        "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
+                                       for i, o in enumerate(outputs)]})
+
+    async def create_score(self, req: ScoreRequest, raw: Request) -> Response:
+        """Each pair's cosine similarity (vLLM's score for an embedding model)."""
+        self._check_pooling(req)
+        side_1, side_2 = req.sides()
+        try:
+            pairs = score_pairs(len(side_1), len(side_2))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        request_id = f"score-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, lambda: side_1 + side_2, req.pooling_params(), req, {}, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        vectors = [o.outputs.embedding for o in outputs]
+        return JSONResponse(self._pooled_base(request_id, outputs) | {
+            "object": "list", "data": [{"object": "score", "index": i,
+                                        "score": cosine(vectors[a], vectors[len(side_1) + b])}
+                                       for i, (a, b) in enumerate(pairs)]})
+
+    async def create_rerank(self, req: RerankRequest, raw: Request) -> Response:
+        """The documents by their cosine similarity to the query, best first (the top_n best)."""
+        self._check_pooling(req)
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, req.prompts, req.pooling_params(), req, {"prompt": "documents"}, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        query = outputs[0].outputs.embedding
+        results = sorted(({"index": i, "relevance_score": cosine(query, o.outputs.embedding)}
+                          | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
+                          for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
+        return JSONResponse(self._pooled_base(request_id, outputs) | {"results": results[: req.top_n or None]})
+
+    async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
+                    req: EmbeddingRequest | ScoreRequest | RerankRequest, renames: dict[str, str],
+                    raw: Request) -> list[EmbeddingRequestOutput] | None:
+        """The embeddings of the prompts, in order; None if the client went away first."""
+        outputs = await self._collect(await self._generate(request_id, make_prompts, params, req, renames, raw), raw)
+        if outputs is not None and not all(isinstance(o, EmbeddingRequestOutput) for o in outputs):
+            raise ApiError(503, "the server is shutting down")  # aborted while draining
+        return outputs
+
+    def _check_pooling(self, req: EmbeddingRequest | ScoreRequest | RerankRequest) -> None:
+        self.check_model(req.model)
+        self.check_runner(embeddings=True)
+
+    def _pooled_base(self, request_id: str, outputs: list[EmbeddingRequestOutput]) -> dict:
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        return JSONResponse({"id": request_id, "object": "list", "created": int(time.time()),
-                             "model": self.model_names[0],
-                             "data": [{"object": "embedding", "index": i,
-                                       "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
-                                      for i, o in enumerate(outputs)],
-                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+        return {"id": request_id, "created": int(time.time()), "model": self.model_names[0],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
     # ----- shared -----
 
@@ -372,7 +415,8 @@ class OpenAIServing:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
 
     async def _generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
-                        params: SamplingParams | PoolingParams, req: GenerationRequest | EmbeddingRequest,
+                        params: SamplingParams | PoolingParams,
+                        req: GenerationRequest | EmbeddingRequest | ScoreRequest | RerankRequest,
                         renames: dict[str, str], raw: Request) -> OutputStream:
         """Admit the request: its prompts are made (a chat template rendered) and tokenized (`_tokenizing`),
         then registered with the core on the event loop."""
