@@ -1,4 +1,5 @@
-"""The offline API: `LLM(...).generate(prompts, params)`, `chat`, `stream`; `embed` and `score` with runner="pooling"."""
+"""The offline API: `LLM(...).generate(prompts, params)`, `chat`, `stream`; `beam_search`; `embed` and `score`
+with runner="pooling"."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import (EmbeddingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
                                ScoringRequestOutput)
@@ -131,6 +133,33 @@ class LLM:
         vectors = [o.outputs.embedding for o in self.embed(side_1 + side_2, use_tqdm=use_tqdm)]
         return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[len(side_1) + b])))
                 for i, (a, b) in enumerate(pairs)]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: for each prompt, the `params.beam_width` best sequences (prompt included), best
+        first. Each step runs every live beam as a one-token request (nanoinfer/engine/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        engine = self.engine
+        searches = [BeamSearch(engine.input_processor.tokenize(_unpack_prompt(p)[0]), params,
+                               engine.limits.eos_token_ids) for p in _prompt_list(prompts)]
+        bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm, dynamic_ncols=True)
+        while beams := [(search, beam) for search in searches for beam in search.beams]:
+            outputs = self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], params.step_params(),
+                                    use_tqdm=False)
+            for search in searches:
+                mine = [out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs) if owner is search]
+                if mine:
+                    search.advance(mine)
+            bar.update(1)
+        bar.close()
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = None if self.tokenizer is None else self.tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def _submit(self, prompts: Prompt | Sequence[Prompt], params: Any, use_tqdm: bool) -> list:
         """Add every prompt with its params (one for all, or one each) and run them to the end, all or none."""

@@ -1,0 +1,95 @@
+"""Beam search (vLLM's algorithm, outside the engine): width 1 is greedy; one step keeps the most likely tokens;
+each beam's cumulative logprob is its tokens' logprobs under transformers; end-of-sequence completes a beam."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from nanoinfer import LLM, BeamSearchParams, SamplingParams
+
+PROMPTS = [[5, 17, 42, 7], [100, 3, 9, 9, 250, 11]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models) -> LLM:
+    return LLM(tiny_models["qwen3"], device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_models):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32).eval()
+
+
+def hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
+    """Each position's log-softmax over the vocabulary, for the next token."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float().log_softmax(dim=-1)
+
+
+def test_width_one_is_greedy(llm):
+    greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                          SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                            BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True))
+    for prompt, g, b in zip(PROMPTS, greedy, beams):
+        assert [s.tokens for s in b.sequences] == [prompt + g.outputs[0].token_ids]
+
+
+def test_one_step_keeps_the_most_likely_tokens(llm, hf):
+    out = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=4, max_tokens=1, ignore_eos=True))[0]
+    expected = hf_logprobs(hf, PROMPTS[0])[-1].topk(4)
+    assert [s.tokens[-1] for s in out.sequences] == expected.indices.tolist()
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx(expected.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, 2.0])
+def test_beams_are_scored_by_their_models_logprobs(llm, hf, length_penalty):
+    params = BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True, length_penalty=length_penalty)
+    for prompt, out in zip(PROMPTS, llm.beam_search(PROMPTS, params)):
+        sequences = out.sequences
+        assert len(sequences) == 3 and len({tuple(s.tokens) for s in sequences}) == 3
+        for s in sequences:
+            assert s.tokens[: len(prompt)] == prompt and len(s.tokens) == len(prompt) + 4 and s.finish_reason == "length"
+            table = hf_logprobs(hf, s.tokens)
+            chosen = sum(table[i - 1, s.tokens[i]].item() for i in range(len(prompt), len(s.tokens)))
+            assert s.cum_logprob == pytest.approx(chosen, abs=1e-4)
+            assert len(s.logprobs) == 4 and all(s.tokens[len(prompt) + i] in lp for i, lp in enumerate(s.logprobs))
+        scores = [s.cum_logprob / len(s.tokens) ** length_penalty for s in sequences]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_end_of_sequence_completes_a_beam(tiny_models, tmp_path):
+    """The tiny model's most likely first token made its end-of-sequence token: the best beam stops there."""
+    first = LLM(tiny_models["qwen3"], device="cpu").beam_search(
+        [PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True))[0].sequences[0].tokens[-1]
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["qwen3"], folder)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps(config | {"eos_token_id": first}))
+    llm = LLM(str(folder), device="cpu")
+    out = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences
+    stopped = [s for s in out if s.finish_reason == "stop"]
+    assert stopped and all(s.tokens[-1] == first and len(s.tokens) == len(PROMPTS[0]) + 1 for s in stopped)
+    assert all(s.finish_reason == "length" for s in llm.beam_search(
+        [PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))[0].sequences)
+
+
+def test_bad_beam_search_params_are_clear_errors(llm):
+    for bad, match in (({"beam_width": 0, "max_tokens": 4}, "beam_width must be an integer in \\[1, 10\\]"),
+                       ({"beam_width": 11, "max_tokens": 4}, "beam_width"),
+                       ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
+                       ({"beam_width": 2, "max_tokens": 4, "length_penalty": float("nan")}, "length_penalty"),
+                       ({"beam_width": 2, "max_tokens": 4, "temperature": -1.0}, "temperature")):
+        with pytest.raises(ValueError, match=match):
+            BeamSearchParams(**bad)
+    with pytest.raises(TypeError, match="params must be BeamSearchParams"):
+        llm.beam_search(PROMPTS, SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.beam_search([[10**6]], BeamSearchParams(beam_width=2, max_tokens=2))
