@@ -389,6 +389,38 @@ def test_bad_words_are_kept_out_of_the_reply(client, offline):
     assert out.choices[0].text == ref.text and ref.token_ids != free.token_ids
 
 
+def test_beam_search_matches_offline(client, offline):
+    """vLLM's use_beam_search: the n choices are offline beam_search's n best sequences, best first, on both
+    endpoints; a streaming request gets them as one chunk each; a field beam search would not follow is a 400."""
+    from nanoinfer import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5)
+    expected = offline.beam_search(["The weather is"], params)[0].sequences
+    prompt_len = len(offline.tokenizer.encode("The weather is"))
+    texts = [offline.tokenizer.decode(s.tokens[prompt_len:]) for s in expected]
+    beam = {"use_beam_search": True, "ignore_eos": True, "length_penalty": 0.5}
+    out = client.completions.create(model="tiny", prompt="The weather is", n=3, max_tokens=5, extra_body=beam)
+    assert [c.text for c in out.choices] == texts and out.usage.completion_tokens == 15
+    assert [c.finish_reason for c in out.choices] == ["length"] * 3
+    chunks = client.completions.create(model="tiny", prompt="The weather is", n=3, max_tokens=5, stream=True,
+                                       extra_body=beam)
+    streamed = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(3)] == texts
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_prompt = offline.apply_chat_template(messages)
+    chat_expected = offline.beam_search([chat_prompt], params)[0].sequences
+    chat = client.chat.completions.create(model="tiny", messages=messages, n=3, max_tokens=5, extra_body=beam)
+    assert [c.message.content for c in chat.choices] == [
+        offline.tokenizer.decode(s.tokens[len(chat_prompt):], skip_special_tokens=True) for s in chat_expected]
+    for extra, param in (({"top_p": 0.5}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n")):
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "use_beam_search": True} | extra
+        response = httpx.post(f"{client.base_url}completions", json=body, headers=AUTH)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, offline):
     """vLLM's truncate_prompt_tokens: the prompt keeps its last k tokens; usage counts them, echo returns their
     text, and the reply is the one to them alone."""

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from nanoinfer.engine.beam_search import BeamSearchParams
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.tool_calls import (TOOL_CALL_PARSERS, NamedToolCall, RequiredToolCalls, ToolCallExtractor,
@@ -59,6 +60,12 @@ _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "pres
                     "allowed_token_ids", "bad_words")
 
 
+# What a beam search request may not set: it takes each step's candidates by their logprobs alone.
+_NOT_IN_BEAM_SEARCH = (set(_SAMPLING_FIELDS) - {"n", "temperature", "ignore_eos", "skip_special_tokens"}) | {
+    "logit_bias", "response_format", "structured_outputs", *(f"guided_{n}" for n in _GUIDED_FIELDS), "logprobs",
+    "top_logprobs", "echo", "tools", "suffix"}
+
+
 class GenerationRequest(_Body):
     """What both generation endpoints accept besides their prompt."""
 
@@ -97,6 +104,8 @@ class GenerationRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False  # vLLM's: n beams (beam_search_params)
+    length_penalty: float = 1.0
 
     @property
     def include_usage(self) -> bool:
@@ -126,6 +135,20 @@ class GenerationRequest(_Body):
             given["logit_bias"] = {int(key): value for key, value in self.logit_bias.items()}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self._structured_outputs(),
                               **given)
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """use_beam_search: the n best of n beams. A field beam search would not follow is a 400, not ignored."""
+        unfollowed = sorted(name for name in self.model_fields_set & _NOT_IN_BEAM_SEARCH
+                            if getattr(self, name) != type(self).model_fields[name].default)
+        if unfollowed:
+            raise ApiError(400, f"use_beam_search follows n, max_tokens, temperature, ignore_eos, length_penalty and "
+                                f"skip_special_tokens only, not {unfollowed}", unfollowed[0])
+        try:
+            return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.temperature or 0.0, self.length_penalty)
+        except (TypeError, ValueError) as e:
+            name = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e).replace("beam_width", "n (the beam width)", 1),
+                           "n" if name == "beam_width" else name) from None
 
     @property
     def constraint_field(self) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from nanoinfer.engine.beam_search import BeamSearch
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
 from nanoinfer.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
@@ -208,11 +209,16 @@ class OpenAIServing:
         if echo_only and req.min_tokens:
             raise ApiError(400, "min_tokens must be 0 with max_tokens 0", "min_tokens")
         renames = {"structured_outputs": req.constraint_field}
-        params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, renames)
-        if req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too, as in OpenAI's API
-            params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._generate(request_id, req.prompts, params, req, renames, raw)
+        if req.use_beam_search:
+            stream = await self._beam_search(request_id, req.prompts, req, req.max_tokens, renames, raw)
+        else:
+            params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, renames)
+            if req.echo and req.logprobs is not None:  # the echoed prompt gets logprobs too, as in OpenAI's API
+                params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
+            stream = await self._generate(request_id, req.prompts, params, req, renames, raw)
+        if stream is None:  # the client went away during a beam search
+            return Response(status_code=499)
         prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
         echoed: dict[int, int] = {}  # per choice: the echoed prompt's length, where its generated text starts
 
@@ -235,7 +241,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     **({"prompt_logprobs": self._prompt_logprobs(d.output)} if req.prompt_logprobs is not None else {})}
 
-        return await self._respond(stream, raw, req, params.n, request_id, ("text_completion", "text_completion"),
+        return await self._respond(stream, raw, req, req.n, request_id, ("text_completion", "text_completion"),
                                    choice, _without_generated if echo_only else None)
 
     # ----- /v1/chat/completions -----
@@ -252,14 +258,23 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-        params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, renames)
-        if req.effective_tool_choice == "auto":  # as vLLM's: a tokenizer may mark <tool_call> special
-            params = dataclasses.replace(params, skip_special_tokens=False)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tools = template_tools(req.tools)
-        stream = await self._generate(request_id, lambda: [self.chat_prompt(
-            req.messages, req.add_generation_prompt, req.continue_final_message, tools, req.chat_template_kwargs)],
-            params, req, renames, raw)
+
+        def prompts() -> list[list[int]]:
+            return [self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools,
+                                     req.chat_template_kwargs)]
+
+        if req.use_beam_search:
+            stream = await self._beam_search(request_id, prompts, req, max_tokens, renames, raw)
+            if stream is None:  # the client went away
+                return Response(status_code=499)
+        else:
+            params = self._sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                           renames)
+            if req.effective_tool_choice == "auto":  # as vLLM's: a tokenizer may mark <tool_call> special
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            stream = await self._generate(request_id, prompts, params, req, renames, raw)
         # Per choice, the readers its text goes through: reasoning apart from content, then tool calls out of it.
         readers: dict[int, tuple[ThinkReasoning | None, ToolCallExtractor | None]] = {}
 
@@ -293,7 +308,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason if extractor is None else extractor.finish_reason(c.finish_reason),
                     "stop_reason": c.stop_reason}
 
-        return await self._respond(stream, raw, req, params.n, request_id, ("chat.completion.chunk", "chat.completion"),
+        return await self._respond(stream, raw, req, req.n, request_id, ("chat.completion.chunk", "chat.completion"),
                                    choice, top=lambda outputs: {"prompt_logprobs": self._prompt_logprobs(outputs[0])}
                                    if req.prompt_logprobs is not None else {})
 
@@ -443,6 +458,48 @@ class OpenAIServing:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
         except OverflowError as e:
             raise ApiError(503, f"{e}; retry later", headers={"Retry-After": _RETRY_AFTER_SECONDS}) from None
+
+    async def _beam_search(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
+                           req: GenerationRequest, max_tokens: int | None, renames: dict[str, str],
+                           raw: Request) -> OutputStream | None:
+        """use_beam_search: every step's live beams as one-token requests through `_generate`, as vLLM's server
+        runs them; the result, each prompt's n best sequences as its choices, in a stream that already holds it
+        (so a streaming request gets them as one chunk each). None if the client went away meanwhile."""
+        if not self.accepting:
+            raise ApiError(503, "the server is shutting down")
+        try:
+            prompts = await self._tokenizing(raw, lambda: [self.client.input_processor.tokenize(p)
+                                                           for p in make_prompts()])
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), _param(str(e), renames)) from None
+        limit, longest = self.client.limits.max_tokens_per_request, max(map(len, prompts))
+        if longest + (max_tokens or 1) > limit:
+            raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens or 1}) exceeds the context "
+                                f"({limit} tokens)", "max_tokens" if max_tokens else "prompt")
+        params = req.beam_search_params(max_tokens or limit - longest)
+        searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
+        step = 0
+        while beams := [(search, beam) for search in searches for beam in search.beams]:
+            outputs = await self._collect(await self._generate(
+                f"{request_id}-{step}", lambda: [beam.tokens for _, beam in beams], params.step_params(), req,
+                renames, raw), raw)
+            if outputs is None:
+                return None
+            if any(c.finish_reason in ("error", "abort") for o in outputs for c in o.outputs):
+                raise _request_failed(request_id)
+            for search in searches:
+                mine = [out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs) if owner is search]
+                if mine:
+                    search.advance(mine)
+            step += 1
+        stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
+        for output_id, ids, search in zip(stream.request_ids, prompts, searches):
+            choices = [CompletionOutput(j, self.tokenizer.decode(beam.tokens[len(ids):], skip_special_tokens=
+                                                                 req.skip_special_tokens) if self.tokenizer else "",
+                                        beam.tokens[len(ids):], None, beam.finish_reason)
+                       for j, beam in enumerate(search.best())]
+            stream.put(RequestOutput(output_id, None, ids, choices, finished=True))
+        return stream
 
     async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, request_id: str,
                        objects: tuple[str, str], render: Callable[[_Delta, bool], dict],
