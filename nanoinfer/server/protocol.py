@@ -381,9 +381,8 @@ class _PoolingBody(_Body):
     def pooling_params(self, normalize: bool | None = None, dimensions: int | None = None) -> PoolingParams:
         try:
             return PoolingParams(normalize, dimensions, self.truncate_prompt_tokens)
-        except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e), next((f for f in ("dimensions", "truncate_prompt_tokens", "normalize")
-                                              if str(e).startswith(f)), None)) from None
+        except (TypeError, ValueError) as e:  # its messages begin with the field's name
+            raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
 
 class EmbeddingRequest(_PoolingBody):
