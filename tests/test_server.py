@@ -415,7 +415,8 @@ def test_beam_search_matches_offline(client, offline):
     chat = client.chat.completions.create(model="tiny", messages=messages, n=3, max_tokens=5, extra_body=beam)
     assert [c.message.content for c in chat.choices] == [
         offline.tokenizer.decode(s.tokens[len(chat_prompt):], skip_special_tokens=True) for s in chat_expected]
-    for extra, param in (({"top_p": 0.5}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n")):
+    for extra, param in (({"top_p": 0.5}, "top_p"), ({"logprobs": 2}, "logprobs"), ({"n": 11}, "n"),
+                         ({"n": 10, "max_tokens": MAX_OUTPUT_TOKENS // 10 + 1}, "max_tokens")):
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "use_beam_search": True} | extra
         response = httpx.post(f"{client.base_url}completions", json=body, headers=AUTH)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

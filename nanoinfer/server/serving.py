@@ -477,6 +477,10 @@ class OpenAIServing:
             raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens or 1}) exceeds the context "
                                 f"({limit} tokens)", "max_tokens" if max_tokens else "prompt")
         params = req.beam_search_params(max_tokens or limit - longest)
+        total, bound = params.beam_width * params.max_tokens * len(prompts), self.client.max_output_tokens_per_request
+        if bound is not None and total > bound:
+            raise ApiError(400, f"n x max_tokens x prompts = {total} tokens of beams exceeds this server's limit of "
+                                f"{bound} output tokens per request", "max_tokens")
         searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
         step = 0
         while beams := [(search, beam) for search in searches for beam in search.beams]:
