@@ -31,6 +31,7 @@ from nanoinfer.server.metrics import ServerMetrics
 from nanoinfer.server.openapi import document_api
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest, parse_body)
+from nanoinfer.server.pooling import PoolingServing
 from nanoinfer.server.serving import OpenAIServing
 from nanoinfer.server.reasoning import REASONING_PARSERS
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
@@ -136,6 +137,7 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, public_paths=public_paths)
     limit = options.max_request_body_bytes
+    pooling = PoolingServing(serving)  # the embedding model's endpoints
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError) -> JSONResponse:
@@ -199,18 +201,18 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
 
     @app.post("/v1/embeddings")
     async def embeddings(raw: Request) -> Response:
-        return await serving.create_embedding(parse_body(EmbeddingRequest, await read_json(raw, limit)), raw)
+        return await pooling.create_embedding(parse_body(EmbeddingRequest, await read_json(raw, limit)), raw)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(raw: Request) -> Response:
-        return await serving.create_score(parse_body(ScoreRequest, await read_json(raw, limit)), raw)
+        return await pooling.create_score(parse_body(ScoreRequest, await read_json(raw, limit)), raw)
 
     @app.post("/rerank")
     @app.post("/v1/rerank")
     @app.post("/v2/rerank")
     async def rerank(raw: Request) -> Response:
-        return await serving.create_rerank(parse_body(RerankRequest, await read_json(raw, limit)), raw)
+        return await pooling.create_rerank(parse_body(RerankRequest, await read_json(raw, limit)), raw)
 
     document_api(app, public_paths)
     return app

@@ -369,7 +369,7 @@ class ChatCompletionRequest(GenerationRequest):
         return {"json": schema, "disable_any_whitespace": True}  # arguments for a program: no room to pad them
 
 
-class _PoolingBody(_Body):
+class PoolingRequest(_Body):
     """What the embedding model's endpoints share (vLLM's extras)."""
 
     model: str | None = None
@@ -385,7 +385,7 @@ class _PoolingBody(_Body):
             raise ApiError(400, str(e), str(e).split(" ", 1)[0]) from None
 
 
-class EmbeddingRequest(_PoolingBody):
+class EmbeddingRequest(PoolingRequest):
     """/v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt."""
 
     input: Any  # checked by prompts()
@@ -398,7 +398,7 @@ class EmbeddingRequest(_PoolingBody):
         return _prompt_list(self.input, "input")
 
 
-class ScoreRequest(_PoolingBody):
+class ScoreRequest(PoolingRequest):
     """/score: vLLM's `queries` and `documents` (or its older `text_1` and `text_2`): one query against each
     document, or the two lists pair by pair."""
 
@@ -415,7 +415,7 @@ class ScoreRequest(_PoolingBody):
         return _prompt_list(getattr(self, first), first), _prompt_list(getattr(self, second), second)
 
 
-class RerankRequest(_PoolingBody):
+class RerankRequest(PoolingRequest):
     """/rerank (Jina's and Cohere's API, as vLLM serves it): the documents ordered by relevance to the query."""
 
     query: str

@@ -1,12 +1,12 @@
-"""The OpenAI endpoints: a request body becomes prompts and SamplingParams,
-goes through the CoreClient, and comes back as one JSON response or as
-server-sent events. Also /tokenize and /detokenize, which share the chat
-template handling."""
+"""The OpenAI generation endpoints: a request body becomes prompts and SamplingParams
+(or, with use_beam_search, beam-search steps), goes through the CoreClient, and
+comes back as one JSON response or as server-sent events. Also /tokenize and
+/detokenize, which share the chat template handling. The embedding model's
+endpoints (pooling.py) admit their texts through the same `generate`."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import functools
 import json
@@ -17,20 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Iterator
 
-import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from nanoinfer.engine.beam_search import BeamSearch
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
-from nanoinfer.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
-from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
+from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       DetokenizeRequest, EmbeddingRequest, GenerationRequest, RerankRequest,
-                                       ScoreRequest, TokenizeRequest, template_tools)
+                                       DetokenizeRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
+                                       template_tools)
 from nanoinfer.server.reasoning import ThinkReasoning, reasoning_reader
 from nanoinfer.server.tool_calls import ToolCallExtractor
 
@@ -47,14 +46,6 @@ logger = logging.getLogger("nanoinfer")
 def _param(message: str, renames: dict[str, str]) -> str | None:
     word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")  # "structured_outputs.json must ..." names its field
     return renames.get(word, word) if word in _FIELD_NAMES else None
-
-
-def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
-    """OpenAI's two forms: the numbers, or their little-endian float32 bytes in base64 (what the openai client
-    asks for by default, and decodes with numpy)."""
-    if encoding_format == "float":
-        return vector
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
 
 
 def _request_failed(request_id: str) -> ApiError:
@@ -216,7 +207,7 @@ class OpenAIServing:
             params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, renames)
             if req.echo and req.logprobs is not None:  # the echoed prompt gets logprobs too, as in OpenAI's API
                 params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
-            stream = await self._generate(request_id, req.prompts, params, req, renames, raw)
+            stream = await self.generate(request_id, req.prompts, params, req, renames, raw)
         if stream is None:  # the client went away during a beam search
             return Response(status_code=499)
         prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
@@ -274,7 +265,7 @@ class OpenAIServing:
                                            renames)
             if req.effective_tool_choice == "auto":  # as vLLM's: a tokenizer may mark <tool_call> special
                 params = dataclasses.replace(params, skip_special_tokens=False)
-            stream = await self._generate(request_id, prompts, params, req, renames, raw)
+            stream = await self.generate(request_id, prompts, params, req, renames, raw)
         # Per choice, the readers its text goes through: reasoning apart from content, then tool calls out of it.
         readers: dict[int, tuple[ThinkReasoning | None, ToolCallExtractor | None]] = {}
 
@@ -356,69 +347,6 @@ class OpenAIServing:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "tokens")
         return {"prompt": self.tokenizer.decode(req.tokens)}
 
-    # ----- embedding models: /v1/embeddings, /score, /rerank -----
-
-    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
-        self._check_pooling(req)
-        request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await self._pool(request_id, req.prompts, req.pooling_params(req.normalize, req.dimensions), req,
-                                   {"prompt": "input"}, raw)
-        if outputs is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(self._pooled_base(request_id, outputs) | {
-            "object": "list", "data": [{"object": "embedding", "index": i,
-                                        "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
-                                       for i, o in enumerate(outputs)]})
-
-    async def create_score(self, req: ScoreRequest, raw: Request) -> Response:
-        """Each pair's cosine similarity (vLLM's score for an embedding model)."""
-        self._check_pooling(req)
-        side_1, side_2 = req.sides()
-        try:
-            pairs = score_pairs(len(side_1), len(side_2))
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        request_id = f"score-{uuid.uuid4().hex}"
-        outputs = await self._pool(request_id, lambda: side_1 + side_2, req.pooling_params(), req, {}, raw)
-        if outputs is None:
-            return Response(status_code=499)
-        vectors = [o.outputs.embedding for o in outputs]
-        return JSONResponse(self._pooled_base(request_id, outputs) | {
-            "object": "list", "data": [{"object": "score", "index": i,
-                                        "score": cosine(vectors[a], vectors[len(side_1) + b])}
-                                       for i, (a, b) in enumerate(pairs)]})
-
-    async def create_rerank(self, req: RerankRequest, raw: Request) -> Response:
-        """The documents by their cosine similarity to the query, best first (the top_n best)."""
-        self._check_pooling(req)
-        request_id = f"rerank-{uuid.uuid4().hex}"
-        outputs = await self._pool(request_id, req.prompts, req.pooling_params(), req, {"prompt": "documents"}, raw)
-        if outputs is None:
-            return Response(status_code=499)
-        query = outputs[0].outputs.embedding
-        results = sorted(({"index": i, "relevance_score": cosine(query, o.outputs.embedding)}
-                          | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
-                          for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
-        return JSONResponse(self._pooled_base(request_id, outputs) | {"results": results[: req.top_n or None]})
-
-    async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
-                    req: EmbeddingRequest | ScoreRequest | RerankRequest, renames: dict[str, str],
-                    raw: Request) -> list[EmbeddingRequestOutput] | None:
-        """The embeddings of the prompts, in order; None if the client went away first."""
-        outputs = await self._collect(await self._generate(request_id, make_prompts, params, req, renames, raw), raw)
-        if outputs is not None and not all(isinstance(o, EmbeddingRequestOutput) for o in outputs):
-            raise ApiError(503, "the server is shutting down")  # aborted while draining
-        return outputs
-
-    def _check_pooling(self, req: EmbeddingRequest | ScoreRequest | RerankRequest) -> None:
-        self.check_model(req.model)
-        self.check_runner(embeddings=True)
-
-    def _pooled_base(self, request_id: str, outputs: list[EmbeddingRequestOutput]) -> dict:
-        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        return {"id": request_id, "created": int(time.time()), "model": self.model_names[0],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-
     # ----- shared -----
 
     def _sampling_params(self, req: GenerationRequest, max_tokens: int | None, logprobs: int | None,
@@ -429,9 +357,9 @@ class OpenAIServing:
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
 
-    async def _generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
+    async def generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
                         params: SamplingParams | PoolingParams,
-                        req: GenerationRequest | EmbeddingRequest | ScoreRequest | RerankRequest,
+                        req: GenerationRequest | PoolingRequest,
                         renames: dict[str, str], raw: Request) -> OutputStream:
         """Admit the request: its prompts are made (a chat template rendered) and tokenized (`_tokenizing`),
         then registered with the core on the event loop."""
@@ -462,7 +390,7 @@ class OpenAIServing:
     async def _beam_search(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
                            req: GenerationRequest, max_tokens: int | None, renames: dict[str, str],
                            raw: Request) -> OutputStream | None:
-        """use_beam_search: every step's live beams as one-token requests through `_generate`, as vLLM's server
+        """use_beam_search: every step's live beams as one-token requests through `generate`, as vLLM's server
         runs them; the result, each prompt's n best sequences as its choices, in a stream that already holds it
         (so a streaming request gets them as one chunk each). None if the client went away meanwhile."""
         if not self.accepting:
@@ -484,7 +412,7 @@ class OpenAIServing:
         searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
         step = 0
         while beams := [(search, beam) for search in searches for beam in search.beams]:
-            outputs = await self._collect(await self._generate(
+            outputs = await self.collect(await self.generate(
                 f"{request_id}-{step}", lambda: [beam.tokens for _, beam in beams], params.step_params(), req,
                 renames, raw), raw)
             if outputs is None:
@@ -516,7 +444,7 @@ class OpenAIServing:
         if req.stream:
             events = self._events(stream, n, base | {"object": objects[0]}, lambda d: render(d, True), req, reshape)
             return EventStreamResponse(events, lambda: self.client.abort(stream))
-        outputs = await self._collect(stream, raw)
+        outputs = await self.collect(stream, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         if reshape is not None:
@@ -528,7 +456,7 @@ class OpenAIServing:
         return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)}
                             | (top(outputs) if top is not None else {}))
 
-    async def _collect(self, stream: OutputStream, raw: Request) -> list[RequestOutput] | None:
+    async def collect(self, stream: OutputStream, raw: Request) -> list[RequestOutput] | None:
         """The final outputs in prompt order; None if the client went away first (then it is aborted)."""
 
         async def consume() -> list[RequestOutput]:

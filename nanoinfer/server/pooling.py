@@ -1,0 +1,94 @@
+"""The embedding model's endpoints (`--runner pooling`): /v1/embeddings, and vLLM's bi-encoder /score and /rerank,
+whose scores are the cosine similarities of embeddings. They admit their texts through the generation endpoints'
+path (`OpenAIServing.generate` and `collect`: tokenizing off the event loop, the waiting-queue bound, aborts when
+the client goes away), as requests that end with their prompt's pooled vector."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Callable
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from nanoinfer.outputs import EmbeddingRequestOutput
+from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
+from nanoinfer.server.protocol import ApiError, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from nanoinfer.server.serving import OpenAIServing
+
+
+class PoolingServing:
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
+        self._check(req)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, req.prompts, req.pooling_params(req.normalize, req.dimensions), req,
+                                   {"prompt": "input"}, raw)
+        if outputs is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(self._pooled_base(request_id, outputs) | {
+            "object": "list", "data": [{"object": "embedding", "index": i,
+                                        "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
+                                       for i, o in enumerate(outputs)]})
+
+    async def create_score(self, req: ScoreRequest, raw: Request) -> Response:
+        """Each pair's cosine similarity (vLLM's score for an embedding model)."""
+        self._check(req)
+        side_1, side_2 = req.sides()
+        try:
+            pairs = score_pairs(len(side_1), len(side_2))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        request_id = f"score-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, lambda: side_1 + side_2, req.pooling_params(), req, {}, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        vectors = [o.outputs.embedding for o in outputs]
+        return JSONResponse(self._pooled_base(request_id, outputs) | {
+            "object": "list", "data": [{"object": "score", "index": i,
+                                        "score": cosine(vectors[a], vectors[len(side_1) + b])}
+                                       for i, (a, b) in enumerate(pairs)]})
+
+    async def create_rerank(self, req: RerankRequest, raw: Request) -> Response:
+        """The documents by their cosine similarity to the query, best first (the top_n best)."""
+        self._check(req)
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, req.prompts, req.pooling_params(), req, {"prompt": "documents"}, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        query = outputs[0].outputs.embedding
+        results = sorted(({"index": i, "relevance_score": cosine(query, o.outputs.embedding)}
+                          | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
+                          for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
+        return JSONResponse(self._pooled_base(request_id, outputs) | {"results": results[: req.top_n or None]})
+
+    async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
+                    req: PoolingRequest, renames: dict[str, str],
+                    raw: Request) -> list[EmbeddingRequestOutput] | None:
+        """The embeddings of the prompts, in order; None if the client went away first."""
+        outputs = await self.serving.collect(await self.serving.generate(request_id, make_prompts, params, req, renames, raw), raw)
+        if outputs is not None and not all(isinstance(o, EmbeddingRequestOutput) for o in outputs):
+            raise ApiError(503, "the server is shutting down")  # aborted while draining
+        return outputs
+
+    def _check(self, req: PoolingRequest) -> None:
+        self.serving.check_model(req.model)
+        self.serving.check_runner(embeddings=True)
+
+    def _pooled_base(self, request_id: str, outputs: list[EmbeddingRequestOutput]) -> dict:
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return {"id": request_id, "created": int(time.time()), "model": self.serving.model_names[0],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
+    """OpenAI's two forms: the numbers, or their little-endian float32 bytes in base64 (what the openai client
+    asks for by default, and decodes with numpy)."""
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
