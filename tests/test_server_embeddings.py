@@ -52,6 +52,10 @@ def test_embeddings_match_offline_in_both_encodings(client, offline):
     ids = offline.tokenizer.encode(TEXTS[0])
     by_ids = client.embeddings.create(model="embedder", input=[ids], encoding_format="float").data[0].embedding
     assert np.allclose(by_ids, expected[0], atol=1e-6)
+    messages = [{"role": "user", "content": "Embed me."}]
+    chat = httpx.post(f"{client.base_url}embeddings", json={"messages": messages}).json()["data"][0]["embedding"]
+    rendered = offline.apply_chat_template(messages, add_generation_prompt=False)
+    assert np.allclose(chat, offline.embed([rendered], use_tqdm=False)[0].outputs.embedding, atol=1e-6)
     raw = httpx.post(f"{client.base_url}embeddings", json={"input": TEXTS[1], "normalize": False}).json()
     want = offline.embed(TEXTS[1:2], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
     assert np.allclose(raw["data"][0]["embedding"], want, atol=1e-6)
@@ -59,6 +63,8 @@ def test_embeddings_match_offline_in_both_encodings(client, offline):
 
 @pytest.mark.parametrize("body, status, param, message", [
     ({"input": []}, 400, "input", "input is empty"),
+    ({}, 400, "input", "give input (texts or token ids) or messages"),
+    ({"input": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "input", "one of the two"),
     ({"input": [1, "a"]}, 400, "input", "input must be a string"),
     ({"input": "x", "dimensions": 8}, 400, "dimensions", "dimensions is not supported by this model"),
     ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions must be at least 1"),

@@ -26,9 +26,12 @@ class PoolingServing:
 
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
         self._check(req)
+        req.check_form()
         request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await self._pool(request_id, req.prompts, req.pooling_params(req.normalize, req.dimensions), req,
-                                   {"prompt": "input"}, raw)
+        prompts = req.prompts if req.messages is None else lambda: [self.serving.chat_prompt(
+            req.messages, req.add_generation_prompt, req.continue_final_message, None, req.chat_template_kwargs)]
+        outputs = await self._pool(request_id, prompts, req.pooling_params(req.normalize, req.dimensions), req,
+                                   {"prompt": "input" if req.messages is None else "messages"}, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(self._pooled_base(request_id, outputs) | {

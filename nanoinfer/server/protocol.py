@@ -388,7 +388,12 @@ class PoolingRequest(_Body):
 class EmbeddingRequest(PoolingRequest):
     """/v1/embeddings: OpenAI's fields, and vLLM's truncate_prompt_tokens, normalize, priority and cache_salt."""
 
-    input: Any  # checked by prompts()
+    input: Any = None  # checked by prompts()
+    # vLLM's chat form, instead of input: one conversation through the chat template.
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -396,6 +401,11 @@ class EmbeddingRequest(PoolingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         return _prompt_list(self.input, "input")
+
+    def check_form(self) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise ApiError(400, "give input (texts or token ids) or messages (a conversation), one of the two",
+                           "input")
 
 
 class ScoreRequest(PoolingRequest):
