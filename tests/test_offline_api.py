@@ -288,3 +288,35 @@ def test_bad_words_are_never_generated(llm: LLM) -> None:
     text = llm.generate("The", greedy(12, bad_words=[word]), use_tqdm=False)[0].outputs[0]
     assert not any(text.token_ids[i:i + len(w)] == w for w in spelled for i in range(len(text.token_ids)))
     assert_no_leak(llm)
+
+
+def test_generate_takes_a_priority_per_prompt(tiny_models) -> None:
+    """vLLM's `priority` argument: under the priority policy, one sequence at a time, prompts are admitted lowest
+    value first; a list of the wrong length is an error before anything runs."""
+    llm = LLM(tiny_models["qwen3"], scheduling_policy="priority", max_num_seqs=1, device="cpu")
+    admitted = []
+    schedule = llm.engine.core.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        admitted.extend(new.prompt_len for new in out.new_reqs)
+        return out
+
+    llm.engine.core.scheduler.schedule = spy
+    prompts = [[1] * n for n in (3, 4, 5)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, priority=[2, 0, 1])
+    assert admitted == [4, 5, 3] and [len(o.prompt_token_ids) for o in outs] == [3, 4, 5]
+    with pytest.raises(ValueError, match="got 3 prompts but 3 params and 2 priorities"):
+        llm.generate(prompts, use_tqdm=False, priority=[0, 1])
+    assert_no_leak(llm)
+
+
+def test_chat_continues_the_final_message(llm) -> None:
+    """continue_final_message: the reply extends the assistant's last message, as vLLM's LLM.chat does it."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,"}]
+    rendered = llm.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert llm.tokenizer.decode(rendered).rstrip().endswith("One, two,")
+    params = SamplingParams(temperature=0, max_tokens=4)
+    assert llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True,
+                    use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.generate([rendered], params, use_tqdm=False)[0].outputs[0].token_ids

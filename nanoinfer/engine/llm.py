@@ -106,11 +106,12 @@ class LLM:
         self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Without `sampling_params`, the model's
-        defaults (`get_default_sampling_params`)."""
+        defaults (`get_default_sampling_params`); `priority`: one per prompt (lower runs first), read under
+        scheduling_policy="priority"."""
         return self._submit(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params,
-                            use_tqdm)
+                            use_tqdm, priority)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams() with the values of the model's generation_config.json (temperature, top_p,
@@ -119,10 +120,11 @@ class LLM:
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (`outputs.embedding`), in prompt order; the engine must be built with
         runner="pooling"."""
-        return self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm)
+        return self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm,
+                            priority)
 
     def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt],
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:
@@ -161,18 +163,21 @@ class LLM:
             results.append(BeamSearchOutput(best))
         return results
 
-    def _submit(self, prompts: Prompt | Sequence[Prompt], params: Any, use_tqdm: bool) -> list:
-        """Add every prompt with its params (one for all, or one each) and run them to the end, all or none."""
+    def _submit(self, prompts: Prompt | Sequence[Prompt], params: Any, use_tqdm: bool,
+                priority: Sequence[int] | None = None) -> list:
+        """Add every prompt with its params (one for all, or one each) and priority, and run them to the end, all
+        or none."""
         prompts = _prompt_list(prompts)
         params = [params] * len(prompts) if isinstance(params, (SamplingParams, PoolingParams)) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if not len(params) == len(priority) == len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} params and {len(priority)} priorities")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, prompt, p in zip(ids, prompts, params):
+            for request_id, prompt, p, rank in zip(ids, prompts, params, priority):
                 self._inbox[request_id] = []
                 prompt, cache_salt = _unpack_prompt(prompt)
-                self.engine.add_request(request_id, prompt, p, cache_salt=cache_salt,
+                self.engine.add_request(request_id, prompt, p, rank, cache_salt,
                                         output_kind=RequestOutputKind.FINAL_ONLY)
             return self._run(ids, use_tqdm)
         finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
@@ -224,23 +229,26 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template; `tools`:
         the functions the template offers the model (OpenAI's {"type": "function", "function": {...}} form);
-        `chat_template_kwargs`: more template variables (e.g. Qwen3's {"enable_thinking": False})."""
+        `chat_template_kwargs`: more template variables (e.g. Qwen3's {"enable_thinking": False});
+        `continue_final_message`: the reply continues the last (assistant's) message instead of starting anew."""
         if isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
             messages = [messages]
         if not isinstance(messages, list):
             raise TypeError(f"chat() takes a conversation (a list of {{'role': ..., 'content': ...}}) or a list of "
                             f"them, got {type(messages).__name__}; for plain text use generate()")
-        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs) for c in messages]
+        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs,
+                                            continue_final_message) for c in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+                            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> list[int]:
         _check_messages(messages)
-        return self.engine.input_processor.render_chat(messages, add_generation_prompt, tools=tools,
-                                                       template_kwargs=chat_template_kwargs)
+        return self.engine.input_processor.render_chat(messages, add_generation_prompt, continue_final_message,
+                                                       tools, chat_template_kwargs)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (stop strings never leak). Streams may be
