@@ -417,7 +417,10 @@ class OpenAIServing:
                 renames, raw), raw)
             if outputs is None:
                 return None
-            if any(c.finish_reason in ("error", "abort") for o in outputs for c in o.outputs):
+            reasons = {c.finish_reason for o in outputs for c in o.outputs}
+            if "abort" in reasons:  # the server began draining
+                raise ApiError(503, "the server is shutting down")
+            if "error" in reasons:
                 raise _request_failed(request_id)
             for search in searches:
                 mine = [out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs) if owner is search]
