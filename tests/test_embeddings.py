@@ -131,6 +131,8 @@ def test_bad_embedding_requests_are_clear_errors(embedding_model, tiny_models):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="takes PoolingParams, not SamplingParams"):
         next(llm.stream(PROMPTS[0]))
+    with pytest.raises(ValueError, match="embeddings come from embed"):
+        llm.stream(PROMPTS[0], PoolingParams())
     assert len(embed(llm, [PROMPTS[2]])[0]) == 64  # a prompt of max_model_len tokens: nothing follows it
     with pytest.raises(ValueError, match="prompt has 41 tokens; max_model_len allows at most 40"):
         llm.embed([PROMPTS[2] + [1]], use_tqdm=False)

@@ -256,6 +256,8 @@ class LLM:
         if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
             raise ValueError(f"stream() yields one completion's text, so n must be 1 (got {sampling_params.n}); "
                              f"generate() returns n completions")
+        if isinstance(sampling_params, PoolingParams):
+            raise ValueError("stream() yields generated text; embeddings come from embed()")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()  # a pooling engine refuses it: no text to stream
         return self._stream(str(next(self._ids)), prompt, sampling_params)
