@@ -420,6 +420,8 @@ def test_beam_search_matches_offline(client, offline):
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "use_beam_search": True} | extra
         response = httpx.post(f"{client.base_url}completions", json=body, headers=AUTH)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    response = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "length_penalty": 2.0}, headers=AUTH)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "length_penalty"
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, offline):

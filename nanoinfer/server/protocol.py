@@ -124,6 +124,8 @@ class GenerationRequest(_Body):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
                         ) -> SamplingParams:
         """`defaults`: the model's recommended values (its generation_config.json), for the fields left unset."""
+        if self.length_penalty != 1.0:
+            raise ApiError(400, "length_penalty applies to use_beam_search only", "length_penalty")
         defaults = dict(defaults or {})
         default_max_tokens = defaults.pop("max_tokens", None)
         max_tokens = default_max_tokens if max_tokens is None else max_tokens
