@@ -57,6 +57,24 @@ def test_tp2_prompt_logprobs_equal_tp1() -> None:
         assert torch.allclose(ours, ref, atol=1e-3)
 
 
+def test_tp2_embeddings_equal_tp1() -> None:
+    """runner="pooling" under TP=2 on GPUs: rank 0 pools the hidden states (the same on every rank after the
+    last all-reduce), through decode graphs (one-token prompts) and eager chunks; TP=1's vectors."""
+    from nanoinfer import LLM
+
+    def embed(**engine_args) -> torch.Tensor:
+        llm = LLM(os.path.join(CONFIGS, "qwen3-0.6b.json"), runner="pooling", max_num_batched_tokens=256,
+                  pooler_config={"pooling_type": "MEAN"}, **COMMON, **engine_args)
+        try:
+            return torch.tensor([o.outputs.embedding for o in llm.embed(prompts()[:8] + [[7]], use_tqdm=False)])
+        finally:
+            llm.close()
+            del llm
+            free_gpu_memory()
+
+    assert torch.allclose(embed(tensor_parallel_size=2), embed(), atol=1e-4)
+
+
 def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
     """One rank of test_fused_all_reduce_matches_nccl."""
     import torch.distributed as dist
