@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoinfer import LLM, BeamSearchParams, SamplingParams
 
@@ -93,3 +95,34 @@ def test_bad_beam_search_params_are_clear_errors(llm):
         llm.beam_search(PROMPTS, SamplingParams())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.beam_search([[10**6]], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(width=st.integers(1, 4), steps=st.integers(1, 5), eos=st.sets(st.integers(0, 9), max_size=2),
+       length_penalty=st.sampled_from([0.0, 0.5, 1.0, 2.0]), seed=st.integers(0, 2**16))
+def test_beam_search_state_keeps_its_invariants(width, steps, eos, length_penalty, seed):
+    """Whatever each step's candidates: at most `width` live beams, each extending a beam of the step before by
+    one token; completed beams end with an end-of-sequence token; the result is the `width` best by score, best
+    first, each's cumulative logprob the sum of its chosen tokens' logprobs."""
+    import random
+
+    from nanoinfer.engine.beam_search import BeamSearch
+    from nanoinfer.outputs import Logprob
+
+    rng = random.Random(seed)
+    params = BeamSearchParams(beam_width=width, max_tokens=steps, length_penalty=length_penalty)
+    search = BeamSearch([1, 2, 3], params, eos)
+    while search.beams:
+        before = {tuple(b.tokens) for b in search.beams}
+        search.advance([{t: Logprob(-rng.random() * 5) for t in rng.sample(range(10), 2 * width)}
+                        for _ in search.beams])
+        assert len(search.beams) <= width and all(tuple(b.tokens[:-1]) in before for b in search.beams)
+        assert not any(b.tokens[-1] in eos for b in search.beams)
+    best = search.best()
+    assert 1 <= len(best) <= width
+    scores = [b.cum_logprob / (len(b.tokens) - (b.tokens[-1] in eos)) ** length_penalty for b in best]
+    assert scores == sorted(scores, reverse=True)
+    for b in best:
+        assert b.finish_reason == ("stop" if b.tokens[-1] in eos else "length")
+        assert len(b.tokens) - 3 == len(b.logprobs) <= steps
+        assert b.cum_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(b.tokens[3:], b.logprobs)))
