@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoinfer import LLM, PoolingParams, SamplingParams
 from nanoinfer.pooling_params import PoolerConfig
@@ -171,3 +173,40 @@ def test_score_is_the_cosine_of_each_pairs_embeddings(embedding_model):
     assert llm.score(PROMPTS[1], PROMPTS[1], use_tqdm=False)[0].outputs.score == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="first side of a score request has 2 texts and the second 3"):
         llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4), budget=st.integers(1, 16),
+       pooling_type=st.sampled_from(["LAST", "MEAN", "CLS"]))
+def test_pooler_gives_the_whole_prompts_vector_whatever_the_chunks(lengths, budget, pooling_type):
+    """The runner's pooler alone: prompts prefilled in chunks of a token budget per step (several prompts'
+    chunks in one step, as the scheduler packs them) pool to the vector of each whole prompt's hidden states."""
+    from types import SimpleNamespace
+
+    from nanoinfer.model_runner.pooler import Pooler
+
+    torch.manual_seed(len(lengths) * 31 + budget)
+    hidden = [torch.randn(n, 8) for n in lengths]  # each prompt's final hidden states
+    states = [SimpleNamespace(prompt_len=n, num_computed_tokens=0, pooled=None) for n in lengths]
+    pooler, got = Pooler(pooling_type), {}
+    while len(got) < len(lengths):
+        step, room = [], budget  # (prompt, first token, tokens) of this step, FCFS within the budget
+        for i, state in enumerate(states):
+            if i not in got and room and state.num_computed_tokens < state.prompt_len:
+                count = min(room, state.prompt_len - state.num_computed_tokens)
+                step.append((i, state.num_computed_tokens, count))
+                room -= count
+        rows = torch.cat([hidden[i][first:first + count] for i, first, count in step])
+        starts = [0]
+        for _, _, count in step:
+            starts.append(starts[-1] + count)
+        finishing = [k for k, (i, first, count) in enumerate(step) if first + count == lengths[i]]
+        vectors = pooler(rows, [states[i] for i, _, _ in step], starts, finishing,
+                         torch.tensor([starts[k + 1] - 1 for k in finishing], dtype=torch.long))
+        for k, vector in zip(finishing, [] if vectors is None else vectors):
+            got[step[k][0]] = vector
+        for i, first, count in step:
+            states[i].num_computed_tokens = first + count
+    for i, h in enumerate(hidden):
+        expected = {"LAST": h[-1], "MEAN": h.mean(dim=0), "CLS": h[0]}[pooling_type]
+        assert torch.allclose(got[i], expected, atol=1e-5)
