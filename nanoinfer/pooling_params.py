@@ -112,6 +112,11 @@ def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
                      f"first text, or as many as the second side has")
 
 
+def pair_scores(side_1: list[list[float]], side_2: list[list[float]]) -> list[float]:
+    """Each pair's score, the two sides' embeddings paired as `score_pairs` pairs them."""
+    return [cosine(side_1[a], side_2[b]) for a, b in score_pairs(len(side_1), len(side_2))]
+
+
 def cosine(a: list[float], b: list[float]) -> float:
     """The cosine similarity of two embeddings: a bi-encoder's score (vLLM's for embedding models)."""
     dot = math.fsum(x * y for x, y in zip(a, b))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nanoinfer.outputs import Logprob
+from nanoinfer.outputs import Logprob, RequestOutput
 from nanoinfer.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -102,3 +102,18 @@ class BeamSearch:
     def _score(self, beam: BeamSearchSequence) -> float:
         length = len(beam.tokens) - (beam.tokens[-1] in self.eos_token_ids)
         return beam.cum_logprob / length ** self.params.length_penalty
+
+
+def live_beams(searches: list[BeamSearch]) -> list[tuple[BeamSearch, BeamSearchSequence]]:
+    """The next step's one-token requests: every search's live beams, each with its search (none: all ended)."""
+    return [(search, beam) for search in searches for beam in search.beams]
+
+
+def advance_all(beams: list[tuple[BeamSearch, BeamSearchSequence]], outputs: list[RequestOutput]) -> None:
+    """One step of every search that had live beams: `outputs[i]`, beam i's one-token request's output, holds its
+    candidates (the logprobs of its one token)."""
+    candidates: dict[BeamSearch, list[dict[int, Logprob]]] = {}
+    for (search, _), output in zip(beams, outputs, strict=True):
+        candidates.setdefault(search, []).append(output.outputs[0].logprobs[0])
+    for search, options in candidates.items():
+        search.advance(options)

@@ -201,7 +201,7 @@ class InputProcessor:
             if len(token_ids) > keep:
                 token_ids = token_ids[-keep:]
                 text = None if text is None else self.tokenizer.decode(token_ids)
-        max_tokens = self._check_length(len(token_ids), 0 if pooling else params.max_tokens)
+        max_tokens = self.check_length(len(token_ids), 0 if pooling else params.max_tokens)
         arrival = time.monotonic()
         if pooling:  # one step past its prompt it has its vector: the core counts that step as a token's
             return Admitted(text, token_ids, [Request(request_id, token_ids, SamplingParams(max_tokens=1),
@@ -257,7 +257,9 @@ class InputProcessor:
             self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
         return self.grammars
 
-    def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The request's max_tokens once the prompt and it are known to fit the context (ValueError otherwise):
+        as given, or what the context leaves when None (0: an embedding's prompt alone)."""
         limit = self.limits.max_tokens_per_request
         why = "max_model_len" if limit == self.limits.max_model_len else "the KV cache size"
         if max_tokens is None:

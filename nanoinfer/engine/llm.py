@@ -12,11 +12,11 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, live_beams
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import (EmbeddingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
                                ScoringRequestOutput)
-from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
+from nanoinfer.pooling_params import PoolingParams, pair_scores, score_pairs
 from nanoinfer.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (either with an
@@ -131,10 +131,10 @@ class LLM:
         """vLLM's scoring with an embedding model (runner="pooling"): the cosine similarity of each pair's
         embeddings, pairing one `data_1` text with each of `data_2`'s, or the two lists element by element."""
         side_1, side_2 = _prompt_list(data_1), _prompt_list(data_2)
-        pairs = score_pairs(len(side_1), len(side_2))
+        score_pairs(len(side_1), len(side_2))  # they pair up (ValueError otherwise) before anything runs
         vectors = [o.outputs.embedding for o in self.embed(side_1 + side_2, use_tqdm=use_tqdm)]
-        return [ScoringRequestOutput(str(i), ScoringOutput(cosine(vectors[a], vectors[len(side_1) + b])))
-                for i, (a, b) in enumerate(pairs)]
+        return [ScoringRequestOutput(str(i), ScoringOutput(score))
+                for i, score in enumerate(pair_scores(vectors[: len(side_1)], vectors[len(side_1):]))]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -146,13 +146,9 @@ class LLM:
         searches = [BeamSearch(engine.input_processor.tokenize(_unpack_prompt(p)[0]), params,
                                engine.limits.eos_token_ids) for p in _prompt_list(prompts)]
         bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm, dynamic_ncols=True)
-        while beams := [(search, beam) for search in searches for beam in search.beams]:
-            outputs = self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], params.step_params(),
-                                    use_tqdm=False)
-            for search in searches:
-                mine = [out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs) if owner is search]
-                if mine:
-                    search.advance(mine)
+        while beams := live_beams(searches):
+            advance_all(beams, self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams],
+                                             params.step_params(), use_tqdm=False))
             bar.update(1)
         bar.close()
         results = []

@@ -14,7 +14,7 @@ from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
-from nanoinfer.pooling_params import PoolerConfig, PoolingParams
+from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 
@@ -52,8 +52,7 @@ class LLMEngine:
         source, self.tokenizer = load_model_and_tokenizer(config)
         self.core = EngineCore(config, source)
         self.limits = self.core.limits()
-        self.pooler = PoolerConfig.resolve(source.model_path, source.hf_config, config.pooler_config) \
-            if config.runner == "pooling" else None
+        self.pooler = source.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler,
                                               self.pooler, source.hf_config.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from nanoinfer.config import EngineConfig
+from nanoinfer.pooling_params import PoolerConfig
 
 logger = logging.getLogger("nanoinfer")
 
@@ -24,6 +25,7 @@ class ModelSource:
     # SamplingParams fields the model's creators recommend (generation_config.json): what a request leaves unset
     # takes from here (EngineConfig.generation_config).
     default_sampling: dict = field(default_factory=dict)
+    pooler: PoolerConfig | None = None  # runner="pooling": how hidden states become embeddings (resolved once)
 
 
 # generation_config.json's sampling fields, as vLLM reads them (`--generation-config auto`), and SamplingParams' names.
@@ -116,8 +118,9 @@ def resolve_model(config: EngineConfig) -> ModelSource:
     generation = _generation_config(model_path)
     if generation is not None:
         eos |= _eos_ids(generation.get("eos_token_id"), os.path.join(model_path, "generation_config.json"))
+    pooler = PoolerConfig.resolve(model_path, hf_config, config.pooler_config) if config.runner == "pooling" else None
     return ModelSource(model_path, hf_config, tokenizer_path, max_model_len, eos,
-                       _default_sampling(config.generation_config, model_path, generation))
+                       _default_sampling(config.generation_config, model_path, generation), pooler)
 
 
 def _generation_config(folder: str) -> dict | None:

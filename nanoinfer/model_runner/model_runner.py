@@ -39,7 +39,8 @@ logger = logging.getLogger("nanoinfer")
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, model_path: str, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: set[int], tp_size: int = 1,
-                 tokenizer_path: str | None = None) -> None:
+                 tokenizer_path: str | None = None, pooler: PoolerConfig | None = None) -> None:
+        """`pooler`: runner="pooling" (the model's embeddings), or None (it generates)."""
         self.config, self.hf_config, self.device, self.dtype = config, hf_config, device, dtype
         # fp8: K/V rounded to float8_e4m3fn as they are stored; attention upcasts them as it loads them.
         self.kv_cache_dtype = dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
@@ -60,8 +61,7 @@ class ModelRunner:
         set_fusion(device.type == "cuda" and not config.enforce_eager)
         set_skinny_gemm(device.type == "cuda" and not config.enforce_eager)
         load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
-        self.pooler = Pooler(PoolerConfig.resolve(model_path, hf_config, config.pooler_config).pooling_type) \
-            if config.runner == "pooling" else None
+        self.pooler = None if pooler is None else Pooler(pooler.pooling_type)
         self.model = load_model(model_path, hf_config, load_format, dtype, device, needs_lm_head=self.pooler is None)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
@@ -466,7 +466,7 @@ def start_model_runner(config: EngineConfig, source, device: torch.device, dtype
     tensor-parallel rank runs exactly this, so the collectives inside (profiling,
     agreeing on the block count, graph warm-up) happen in the same order everywhere."""
     runner = ModelRunner(config, source.hf_config, source.model_path, device, dtype, source.eos_token_ids,
-                         config.tensor_parallel_size, source.tokenizer_path)
+                         config.tensor_parallel_size, source.tokenizer_path, source.pooler)
     runner.initialize_kv_cache(agree_num_blocks(runner.num_kv_blocks_for_budget()))
     if config.tensor_parallel_size > 1 and device.type == "cuda":  # decode-sized all-reduces
         enable_symmetric_all_reduce(config.max_num_seqs, source.hf_config.hidden_size, dtype)

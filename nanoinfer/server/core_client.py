@@ -22,7 +22,7 @@ from nanoinfer.engine.input_processor import Admitted, EngineLimits, InputProces
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.outputs import RequestOutput, RequestOutputKind
-from nanoinfer.pooling_params import PoolerConfig, PoolingParams
+from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.request import RequestStatus
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.core_process import run_engine_core
@@ -118,8 +118,7 @@ class CoreClient:
             raise RuntimeError(f"the engine core failed to start: {message[1]}")
         limits, self.num_blocks = message[1], message[2]
         self.limits = EngineLimits(**(limits | {"eos_token_ids": set(limits["eos_token_ids"])}))
-        self.pooler = PoolerConfig.resolve(source.model_path, source.hf_config, self.config.pooler_config) \
-            if self.config.runner == "pooling" else None
+        self.pooler = source.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.limits, pooler=self.pooler,
                                               hidden_size=source.hf_config.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
@@ -185,11 +184,11 @@ class CoreClient:
         tokenizer thread. Raises ValueError / TypeError for bad input."""
         # Bound the fan-out before any work per prompt or child: each child asks for at least one token.
         if isinstance(params, SamplingParams):
-            self._check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
+            self.check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
         admitted = [self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt)
                     for i, prompt in enumerate(prompts)]
         if isinstance(params, SamplingParams):
-            self._check_output_tokens(sum(child.max_tokens for a in admitted for child in a.children),
+            self.check_output_tokens(sum(child.max_tokens for a in admitted for child in a.children),
                                       params.max_tokens is None)
         return admitted
 
@@ -218,7 +217,8 @@ class CoreClient:
             self._send_packed(frame)
         return outputs
 
-    def _check_output_tokens(self, total: int, default_max_tokens: bool = False) -> None:
+    def check_output_tokens(self, total: int, default_max_tokens: bool = False) -> None:
+        """`total` output tokens for one API call stay within --max-output-tokens-per-request (ValueError beyond)."""
         limit = self.max_output_tokens_per_request
         if limit is not None and total > limit:
             if default_max_tokens:

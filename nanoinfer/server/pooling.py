@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from nanoinfer.outputs import EmbeddingRequestOutput
-from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
+from nanoinfer.pooling_params import PoolingParams, cosine, pair_scores, score_pairs
 from nanoinfer.server.protocol import ApiError, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from nanoinfer.server.serving import OpenAIServing
 
@@ -43,8 +43,8 @@ class PoolingServing:
         """Each pair's cosine similarity (vLLM's score for an embedding model)."""
         self._check(req)
         side_1, side_2 = req.sides()
-        try:
-            pairs = score_pairs(len(side_1), len(side_2))
+        try:  # they pair up before anything runs
+            score_pairs(len(side_1), len(side_2))
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         request_id = f"score-{uuid.uuid4().hex}"
@@ -52,10 +52,10 @@ class PoolingServing:
         if outputs is None:
             return Response(status_code=499)
         vectors = [o.outputs.embedding for o in outputs]
+        scores = pair_scores(vectors[: len(side_1)], vectors[len(side_1):])
         return JSONResponse(self._pooled_base(request_id, outputs) | {
-            "object": "list", "data": [{"object": "score", "index": i,
-                                        "score": cosine(vectors[a], vectors[len(side_1) + b])}
-                                       for i, (a, b) in enumerate(pairs)]})
+            "object": "list",
+            "data": [{"object": "score", "index": i, "score": score} for i, score in enumerate(scores)]})
 
     async def create_rerank(self, req: RerankRequest, raw: Request) -> Response:
         """The documents by their cosine similarity to the query, best first (the top_n best)."""
@@ -74,7 +74,8 @@ class PoolingServing:
                     req: PoolingRequest, renames: dict[str, str],
                     raw: Request) -> list[EmbeddingRequestOutput] | None:
         """The embeddings of the prompts, in order; None if the client went away first."""
-        outputs = await self.serving.collect(await self.serving.generate(request_id, make_prompts, params, req, renames, raw), raw)
+        stream = await self.serving.generate(request_id, make_prompts, params, req, renames, raw)
+        outputs = await self.serving.collect(stream, raw)
         if outputs is not None and not all(isinstance(o, EmbeddingRequestOutput) for o in outputs):
             raise ApiError(503, "the server is shutting down")  # aborted while draining
         return outputs

@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable, Iterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from nanoinfer.engine.beam_search import BeamSearch
+from nanoinfer.engine.beam_search import BeamSearch, advance_all, live_beams
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
@@ -395,23 +395,17 @@ class OpenAIServing:
         (so a streaming request gets them as one chunk each). None if the client went away meanwhile."""
         if not self.accepting:
             raise ApiError(503, "the server is shutting down")
-        try:
+        try:  # the bounds a request's sampling would meet: the context, and the server's output tokens
             prompts = await self._tokenizing(raw, lambda: [self.client.input_processor.tokenize(p)
                                                            for p in make_prompts()])
+            longest = max(map(len, prompts))
+            params = req.beam_search_params(self.client.input_processor.check_length(longest, max_tokens))
+            self.client.check_output_tokens(params.beam_width * params.max_tokens * len(prompts), max_tokens is None)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
-        limit, longest = self.client.limits.max_tokens_per_request, max(map(len, prompts))
-        if longest + (max_tokens or 1) > limit:
-            raise ApiError(400, f"prompt ({longest} tokens) + max_tokens ({max_tokens or 1}) exceeds the context "
-                                f"({limit} tokens)", "max_tokens" if max_tokens else "prompt")
-        params = req.beam_search_params(max_tokens or limit - longest)
-        total, bound = params.beam_width * params.max_tokens * len(prompts), self.client.max_output_tokens_per_request
-        if bound is not None and total > bound:
-            raise ApiError(400, f"n x max_tokens x prompts = {total} tokens of beams exceeds this server's limit of "
-                                f"{bound} output tokens per request", "max_tokens")
         searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
         step = 0
-        while beams := [(search, beam) for search in searches for beam in search.beams]:
+        while beams := live_beams(searches):
             outputs = await self.collect(await self.generate(
                 f"{request_id}-{step}", lambda: [beam.tokens for _, beam in beams], params.step_params(), req,
                 renames, raw), raw)
@@ -422,10 +416,7 @@ class OpenAIServing:
                 raise ApiError(503, "the server is shutting down")
             if "error" in reasons:
                 raise _request_failed(request_id)
-            for search in searches:
-                mine = [out.outputs[0].logprobs[0] for (owner, _), out in zip(beams, outputs) if owner is search]
-                if mine:
-                    search.advance(mine)
+            advance_all(beams, outputs)
             step += 1
         stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
         for output_id, ids, search in zip(stream.request_ids, prompts, searches):
