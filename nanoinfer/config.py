@@ -70,6 +70,7 @@ class EngineConfig:
     max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
     generation_config: str = _arg("auto", "default sampling parameters of requests that leave them unset: auto takes temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens from the model folder's generation_config.json (as vLLM does); vllm ignores it; or a folder with a generation_config.json")
     runner: str = _arg("generate", "what the model does: generate text, or pool its hidden states into embeddings (LLM.embed, /v1/embeddings)", ("generate", "pooling"))
+    speculative_config: dict | None = _arg(None, 'speculative decoding by n-gram lookup, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}: each step checks up to K draft tokens copied from where the newest N..M tokens occurred before in the prompt or output; the output is unchanged, steps yield up to K + 1 tokens (turns async_scheduling off)')
     pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
 
     def __post_init__(self) -> None:
@@ -90,6 +91,14 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {list(choices)}")
+        if self.speculative_config is not None:
+            from nanoinfer.spec_decode.ngram import SpeculativeConfig
+
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.runner == "pooling":
+                raise ValueError("speculative_config applies to runner='generate' only")
+        else:
+            self.speculative = None
         if self.pooler_config is not None:
             if not isinstance(self.pooler_config, dict):
                 raise TypeError(f"pooler_config must be a dict, got {type(self.pooler_config).__name__}")

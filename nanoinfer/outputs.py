@@ -38,9 +38,9 @@ class Logprob:
 
 @dataclass
 class ModelRunnerOutput:
-    req_ids: list[str]  # requests that produced a token this step (partial prefills did not)
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
+    req_ids: list[str]  # requests that produced tokens this step (partial prefills did not)
+    sampled_token_ids: list[list[int]]  # one token each, or with speculative decoding 1 + the drafts kept
+    logprobs: list[list[TokenLogprobs | None]]  # per token
     # Requests whose sampling raised, with why: they end with finish_reason "error", the rest go on.
     errors: dict[str, str] = field(default_factory=dict)
     # Requests with prompt_logprobs whose prompt this step computed: (first position, its entries on).

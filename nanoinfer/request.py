@@ -76,6 +76,12 @@ class Request:
         # Structured outputs: the grammar compiling in the engine core's grammar thread; the scheduler admits the
         # request once it is done.
         self.grammar: Future | None = None
+        # Speculative decoding: the draft tokens its next step checks. Penalties, grammars and bad words of several
+        # tokens make a position's distribution depend on the tokens before it on the host, so those get none.
+        self.spec_token_ids: list[int] = []
+        p = sampling_params
+        self.can_speculate = (not p.uses_penalties and p.structured_outputs is None
+                              and all(len(w) == 1 for w in p.bad_words_token_ids or ()))
 
     def take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
         """The prompt's logprobs, once (for the request's first output); None after, or if not asked for."""

@@ -38,11 +38,21 @@ def sample(token_ids: list[int]) -> int:
     return sum(i * t for i, t in enumerate(token_ids, 1)) % VOCAB
 
 
-def reference_output(prompt: list[int], max_tokens: int, max_model_len: int, ignore_eos: bool) -> tuple[list[int], str]:
-    """What any correct schedule must produce for one request under `sample`."""
+def copy_sample(token_ids: list[int]) -> int:
+    """Repeats the token three back: the output continues a cycle n-gram drafts predict (speculative decoding's
+    drafts are then mostly kept, where under `sample` they are mostly rejected)."""
+    return token_ids[-3] if len(token_ids) >= 3 else token_ids[-1]
+
+
+SAMPLERS = {"mix": sample, "copy": copy_sample}
+
+
+def reference_output(prompt: list[int], max_tokens: int, max_model_len: int, ignore_eos: bool,
+                     sampler: Callable[[list[int]], int] = sample) -> tuple[list[int], str]:
+    """What any correct schedule must produce for one request under `sampler`."""
     tokens, out = list(prompt), []
     while True:
-        token = sample(tokens)
+        token = sampler(tokens)
         tokens.append(token)
         out.append(token)
         if token == EOS and not ignore_eos:
@@ -74,7 +84,8 @@ class RunnerState:
 
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, salt_of: Callable[[str], str | None],
-                 prefix_ids: PrefixIds) -> None:
+                 prefix_ids: PrefixIds, sampler: Callable[[list[int]], int] = sample) -> None:
+        self.sampler = sampler
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.states: dict[str, RunnerState] = {}
@@ -97,30 +108,43 @@ class FakeRunner:
             assert cached.num_computed_tokens == state.num_computed_tokens, f"{cached.req_id}: computed count drifted"
             state.block_ids.extend(cached.new_block_ids)
         writers: dict[tuple[int, int], str] = {}
+        sequences: dict[str, tuple[list[int], list[int]]] = {}  # each request's tokens + drafts, and their ids
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.states[req_id]
+            drafts = out.scheduled_spec_tokens.get(req_id, [])
             end = state.num_computed_tokens + n
-            assert end <= len(state.token_ids), f"{req_id}: scheduled past its known tokens"
+            assert end <= len(state.token_ids) + len(drafts), f"{req_id}: scheduled past its known tokens"
+            assert not drafts or end == len(state.token_ids) + len(drafts), f"{req_id}: drafts not after its tokens"
             assert len(state.block_ids) * self.block_size >= end, f"{req_id}: no block for its tokens"
             self.prefix_ids.extend(state.prefix_ids, state.salt, state.token_ids)
+            sequence = state.token_ids + drafts
+            ids = self.prefix_ids.extend(list(state.prefix_ids), state.salt, sequence) if drafts else state.prefix_ids
+            sequences[req_id] = sequence, ids
             for position in range(state.num_computed_tokens, end):
                 block_id, offset = self.slot(state, position)
                 assert (block_id, offset) not in writers, f"{writers[block_id, offset]} and {req_id} write one slot"
                 writers[block_id, offset] = req_id
-                self.kv[block_id][offset] = state.prefix_ids[position]
+                self.kv[block_id][offset] = ids[position]
         # Attention runs after this step's writes: every context must read its own prefix.
         req_ids, sampled = [], []
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.states[req_id]
+            sequence, ids = sequences[req_id]
             state.num_computed_tokens += n
             context = [self.kv[b][o] for b, o in (self.slot(state, p) for p in range(state.num_computed_tokens))]
-            assert context == state.prefix_ids[: state.num_computed_tokens], f"{req_id} reads someone else's KV"
-            if state.num_computed_tokens == len(state.token_ids):
-                token = sample(state.token_ids)
-                state.token_ids.append(token)
+            assert context == ids[: state.num_computed_tokens], f"{req_id} reads someone else's KV"
+            if state.num_computed_tokens == len(sequence):
+                # Speculative decoding: sample each draft's position, keep drafts while they equal the sample.
+                known, new = len(state.token_ids), []
+                for j in range(len(sequence) - known + 1):
+                    new.append(self.sampler(sequence[: known + j]))
+                    if known + j == len(sequence) or new[-1] != sequence[known + j]:
+                        break
+                state.num_computed_tokens -= len(sequence) - known - (len(new) - 1)  # rejected drafts' KV is stale
+                state.token_ids.extend(new)
                 req_ids.append(req_id)
-                sampled.append(token)
-        return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+                sampled.append(new)
+        return ModelRunnerOutput(req_ids, sampled, [[None] * len(t) for t in sampled])
 
 
 class PoolModel:
@@ -165,7 +189,7 @@ class PoolModel:
 class Harness:
     """Scheduler + fake runner with every invariant checked after every operation."""
 
-    def __init__(self, num_blocks: int, max_model_len: int = 1 << 20, **config) -> None:
+    def __init__(self, num_blocks: int, max_model_len: int = 1 << 20, sampler: str = "mix", **config) -> None:
         config.setdefault("block_size", 4)
         config.setdefault("async_scheduling", False)
         self.config = EngineConfig(**config)
@@ -176,8 +200,9 @@ class Harness:
         self.pool_model = PoolModel(self.pool)
         self.all_requests: dict[str, Request] = {}
         self.prefix_ids = PrefixIds()
+        self.sampler = SAMPLERS[sampler]
         self.runner = FakeRunner(num_blocks, self.block_size, lambda r: self.all_requests[r].cache_salt,
-                                 self.prefix_ids)
+                                 self.prefix_ids, self.sampler)
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.finished_outside: set[str] = set()  # aborted or stopped by finish_requests
@@ -322,7 +347,7 @@ class Harness:
         """Requests that ran to the end produced the reference tokens; stopped ones a prefix of them."""
         for req_id, request in self.all_requests.items():
             expected, reason = reference_output(request.prompt_token_ids, request.max_tokens, self.max_model_len,
-                                                request.sampling_params.ignore_eos)
+                                                request.sampling_params.ignore_eos, self.sampler)
             assert self.outputs[req_id] == request.output_token_ids
             if req_id in self.finished_outside:
                 assert self.outputs[req_id] == expected[: len(self.outputs[req_id])]
@@ -599,13 +624,19 @@ def workloads(draw, policy: str):
     stop in random order; requests not added by the ops are added before draining."""
     block_size = draw(st.integers(2, 8))
     num_blocks = draw(st.integers(2, 10))
+    # Speculative decoding (synchronous scheduling only) in a third of the runs, its drafts mostly kept under the
+    # copying sampler and mostly rejected under the mixing one.
+    spec = draw(st.sampled_from([None, None, (1, 1, 1), (2, 3, 1), (4, 2, 2)]))
     config = dict(
         block_size=block_size,
         max_num_batched_tokens=draw(st.integers(1, 24)),
         max_num_seqs=draw(st.integers(1, 4)),
         enable_prefix_caching=draw(st.sampled_from([True, True, True, False])),
-        async_scheduling=draw(st.booleans()),
+        async_scheduling=spec is None and draw(st.booleans()),
         scheduling_policy=policy,
+        sampler=draw(st.sampled_from(list(SAMPLERS))),
+        speculative_config=None if spec is None else dict(zip(
+            ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"), spec)),
     )
     max_model_len = num_blocks * block_size  # every request fits the pool alone
     num_prefixes = draw(st.integers(1, 3))
@@ -663,3 +694,62 @@ def test_random_workloads_fcfs(workload):
 @given(workloads("priority"))
 def test_random_workloads_priority(workload):
     replay(*workload)
+
+
+# ----- speculative decoding -----
+
+SPEC = {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def test_spec_decode_kept_drafts_save_steps_and_change_no_token():
+    """Under the copying sampler n-gram drafts are right: the same tokens in fewer steps, every one of them the
+    one-by-one reference, and the counts say how many drafts were checked and kept."""
+    runs = {}
+    for spec in (None, SPEC):
+        h = Harness(num_blocks=64, sampler="copy", speculative_config=spec)
+        h.add("a", tokens(1, 7), max_tokens=30)
+        h.add("b", tokens(5, 9), max_tokens=17)
+        h.run()
+        h.check_outputs()
+        runs[spec is None] = h
+    plain, spec = runs[True], runs[False]
+    assert spec.outputs == plain.outputs
+    stats = spec.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens > 0
+    assert spec.num_steps < plain.num_steps / 2
+    assert plain.scheduler.spec_stats.num_drafts == 0
+
+
+def test_spec_decode_rejected_drafts_are_recomputed():
+    """Under the mixing sampler most drafts are wrong: their KV slots are rewritten before anyone reads them (the
+    shadow cache would catch a stale read) and the output is still the reference."""
+    h = Harness(num_blocks=64, speculative_config=SPEC)
+    for i in range(4):
+        h.add(f"r{i}", tokens(3 * i, 5) * 3, max_tokens=25)
+    h.run()
+    h.check_outputs()
+    stats = h.scheduler.spec_stats
+    assert stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_spec_decode_drafts_fit_max_tokens_max_model_len_and_the_budget():
+    h = Harness(num_blocks=64, max_model_len=40, sampler="copy", speculative_config=SPEC,
+                max_num_batched_tokens=3)
+    h.add("a", tokens(1, 6), max_tokens=9)  # ends by max_tokens
+    h.add("b", tokens(2, 30), max_tokens=50)  # ends by max_model_len
+    while h.scheduler.num_unfinished:
+        out = h.step()
+        assert out.total_num_scheduled_tokens <= 3  # drafts that do not fit the budget wait
+    h.step()
+    h.check_outputs()
+    assert len(h.outputs["a"]) == 9 and len(h.all_requests["b"].all_token_ids) == 40
+
+
+def test_spec_decode_under_preemption_and_prefix_hits():
+    """A tiny pool: requests with drafts are preempted and recomputed, and share cached prefixes."""
+    h = Harness(num_blocks=9, block_size=2, sampler="copy", speculative_config=SPEC, max_num_batched_tokens=8)
+    for i in range(4):
+        h.add(f"r{i}", tokens(1, 4) + tokens(i, 2), max_tokens=6)
+    h.run()
+    h.check_outputs()
+    assert h.scheduler.num_preemptions > 0 and h.scheduler.spec_stats.num_accepted_tokens > 0

@@ -144,6 +144,19 @@ def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduli
     assert worker.exitcode == 0  # told to stop, it left its loop cleanly
 
 
+def test_tp2_speculative_decoding_equals_tp1(tiny_qwen3, tiny_reference) -> None:
+    """Workers follow the drafts in each step's delta and get every kept token with the next one."""
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, speculative_config=spec, **PRESSURE)
+    try:
+        tokens, logprobs, _ = run_tiny(llm)
+        assert tokens == tiny_reference[0]
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(tiny_reference[1]), atol=1e-4)
+        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+    finally:
+        llm.close()
+
+
 def test_tp3_equals_tp1_on_smollm2() -> None:
     """The embedded GGUF (converted folder): 9/3 heads split three ways."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

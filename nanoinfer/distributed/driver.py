@@ -207,12 +207,12 @@ class TensorParallelDriver:
                     checked = time.monotonic()
                 time.sleep(0)
 
-    def _read_back_tokens(self) -> tuple[list[str], list[int], list[int]]:
-        """(req_ids, positions, token ids) of the launched steps whose results the engine has read,
-        oldest first; it reads them in launch order."""
+    def _read_back_tokens(self) -> tuple[list[str], list[int], list[list[int]]]:
+        """(req_ids, positions, each request's new token ids) of the launched steps whose results the engine
+        has read, oldest first; it reads them in launch order."""
         req_ids: list[str] = []
         positions: list[int] = []
-        token_ids: list[int] = []
+        token_ids: list[list[int]] = []
         while self._unsent and self._unsent[0].done():
             future = self._unsent.popleft()
             output = future.result()

@@ -57,7 +57,7 @@ class StepMessage:
     scheduler_output: SchedulerOutput
     sampled_req_ids: list[str]
     sampled_positions: list[int]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]
 
 
 def build_worker_runner(config: EngineConfig) -> ModelRunner:

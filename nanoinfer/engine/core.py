@@ -70,6 +70,9 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class EngineCore:
@@ -106,8 +109,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len)
         self.debug_checks = os.environ.get("NANOINFER_DEBUG_CHECKS", "0") == "1"
         # Overlap host work with the device: plan step N+1 while step N runs (also with TP:
-        # workers get the sampled tokens on the device).
-        self.async_scheduling = config.async_scheduling
+        # workers get the sampled tokens on the device). Not with speculative decoding: a step's drafts are
+        # proposed from the tokens the step before it produced.
+        self.async_scheduling = config.async_scheduling and config.speculative is None
         self.in_flight = None
         self.error: str | None = None  # why this core cannot go on
 
@@ -176,6 +180,7 @@ class EngineCore:
             self.tp_driver.close()
 
     def stats(self) -> SchedulerStats:
-        kv = self.scheduler.kv_cache_manager
+        kv, spec = self.scheduler.kv_cache_manager, self.scheduler.spec_stats
         return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
-                              kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions)
+                              kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions,
+                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)

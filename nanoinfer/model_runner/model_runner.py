@@ -215,15 +215,21 @@ class ModelRunner:
     def _prepare_inputs(self, scheduler_output: SchedulerOutput):
         states = [self.requests[r] for r in scheduler_output.num_scheduled_tokens]
         counts_list = list(scheduler_output.num_scheduled_tokens.values())
+        spec = scheduler_output.scheduled_spec_tokens
         # One pass in plain Python ints (cheaper than numpy scalars at a few hundred requests).
         token_ids: list[int] = []
         starts: list[int] = []
         pending: list[tuple[int, int]] = []  # (input row, row in the previous step's sampled tensor)
         sample_rows: list[int] = []  # requests whose known (or in-flight) tokens are now all computed
+        sampled_drafts: list = []  # per sampled request: the draft tokens after its known ones (speculative decoding)
         for i, (s, n) in enumerate(zip(states, counts_list)):
             begin, end, known = s.num_computed_tokens, s.num_computed_tokens + n, len(s.token_ids)
+            drafts = spec.get(s.req_id, ()) if spec else ()
             starts.append(begin)
-            if end > known:  # its newest token is still on the device (async scheduling)
+            if drafts:  # scheduled synchronously: its known tokens are all on the host
+                token_ids.extend(s.token_ids[begin:known])
+                token_ids.extend(drafts)
+            elif end > known:  # its newest token is still on the device (async scheduling)
                 token_ids.extend(s.token_ids[begin:known])
                 token_ids.append(0)
                 pending.append((len(token_ids) - 1, self.prev_rows[s.req_id]))
@@ -231,6 +237,8 @@ class ModelRunner:
                 token_ids.extend(s.token_ids[begin:end])
             if end >= known:
                 sample_rows.append(i)
+                if spec:
+                    sampled_drafts.append(drafts)
         counts = np.array(counts_list, dtype=np.int64)
         seq_lens = np.array(starts, dtype=np.int64) + counts
         query_start_loc = np.zeros(len(states) + 1, dtype=np.int64)
@@ -246,6 +254,8 @@ class ModelRunner:
         slot_mapping = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
         logits_indices = query_start_loc[1:][sample_rows] - 1
+        if spec:  # a request with d drafts samples its last d + 1 positions
+            logits_indices = _expand_rows(logits_indices, np.array([len(d) for d in sampled_drafts], dtype=np.int64))
 
         pending_rows = np.array(pending, dtype=np.int64).reshape(-1, 2)
         max_query_len = int(counts.max())
@@ -270,7 +280,13 @@ class ModelRunner:
             input_ids_gpu[pending_gpu[:, 0]] = self.prev_sampled[pending_gpu[:, 1]]
         sample_states = [states[i] for i in sample_rows]
         output_index = [int(seq_lens[i]) - s.prompt_len for i, s in zip(sample_rows, sample_states)]
-        return input_ids_gpu, positions_gpu, metadata, logits_indices_gpu, sample_states, output_index
+        if not spec:
+            return input_ids_gpu, positions_gpu, metadata, logits_indices_gpu, sample_states, output_index, None
+        # A sampling row per sampled position: a request's rows sample its output positions in order.
+        rows = [(s, last - len(d) + j) for s, last, d in zip(sample_states, output_index, sampled_drafts)
+                for j in range(len(d) + 1)]
+        return (input_ids_gpu, positions_gpu, metadata, logits_indices_gpu, [s for s, _ in rows], [i for _, i in rows],
+                sampled_drafts)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
@@ -284,7 +300,7 @@ class ModelRunner:
         # it (the grammar's bitmask is filled meanwhile).
         waits_for_history = self.last_future is not None and any(
             self.requests[r].needs_newest_token and r in self.prev_rows for r in scheduler_output.num_scheduled_tokens)
-        input_ids, positions, metadata, logits_indices, sample_states, output_index = \
+        input_ids, positions, metadata, logits_indices, sample_states, output_index, drafts = \
             self._prepare_inputs(scheduler_output)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
@@ -313,7 +329,8 @@ class ModelRunner:
             return None
         positions = [s.prompt_len + i for s, i in zip(sample_states, output_index)]
         self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(token_ids), errors, positions,
-                                        prompt_logprobs, None if self.grammars is None else self.grammars.accept)
+                                        prompt_logprobs, None if self.grammars is None else self.grammars.accept,
+                                        drafts)
         return self.last_future
 
     def _pool(self, hidden: torch.Tensor, scheduler_output: SchedulerOutput, query_start_loc: list[int],
@@ -411,7 +428,7 @@ class ModelRunner:
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in states],
             num_output_tokens=output_index,
-            generators=[s.seeded_generator(i) for s, i in zip(states, output_index)],
+            generators=_row_generators(states, output_index),
             stop_token_ids=[self._min_tokens_stop_ids(s) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
@@ -442,14 +459,14 @@ class ModelRunner:
                                                              state.token_ids[state.prompt_len:])
         return state.matcher
 
-    def add_sampled_tokens(self, req_ids: list[str], positions: list[int], token_ids: list[int]) -> None:
-        """TP workers: append the tokens rank 0 has read back, so every rank keeps the same token lists.
-        A token whose position the request already holds (it was re-added with its tokens after a
-        preemption) or that belongs to a request gone meanwhile is skipped."""
-        for req_id, position, token_id in zip(req_ids, positions, token_ids):
+    def add_sampled_tokens(self, req_ids: list[str], positions: list[int], token_ids: list[list[int]]) -> None:
+        """TP workers: append the tokens rank 0 has read back (each request's new tokens, from `position` on), so
+        every rank keeps the same token lists. Tokens whose position the request already holds (it was re-added
+        with its tokens after a preemption), or of a request gone meanwhile, are skipped."""
+        for req_id, position, new in zip(req_ids, positions, token_ids):
             state = self.requests.get(req_id)
             if state is not None and len(state.token_ids) == position:
-                state.token_ids.append(token_id)
+                state.token_ids.extend(new)
 
     def _min_tokens_stop_ids(self, state: CachedRequestState) -> set[int]:
         """Token ids masked while the request is below min_tokens (none when min_tokens is 0)."""
@@ -458,6 +475,24 @@ class ModelRunner:
             return set()
         ids = set(params.stop_token_ids or ())
         return ids if params.ignore_eos else ids | self.eos_token_ids
+
+
+def _row_generators(states: list[CachedRequestState], output_index: list[int]) -> list[torch.Generator | None]:
+    """Each row's seeded generator (None: unseeded); a request's consecutive rows (speculative decoding) get one
+    each, so every position draws what it would draw alone."""
+    generators, previous, row = [], None, 0
+    for state, index in zip(states, output_index):
+        row = row + 1 if state is previous else 0
+        previous = state
+        generators.append(state.seeded_generator(index, row))
+    return generators
+
+
+def _expand_rows(last_rows: np.ndarray, num_drafts: np.ndarray) -> np.ndarray:
+    """Each request's last row, preceded by as many rows as it has drafts: [9, 20] with [2, 0] -> [7, 8, 9, 20]."""
+    widths = num_drafts + 1
+    group_start = np.repeat(np.cumsum(widths) - widths, widths)
+    return np.repeat(last_rows - num_drafts, widths) + np.arange(int(widths.sum())) - group_start
 
 
 def start_model_runner(config: EngineConfig, source, device: torch.device, dtype: torch.dtype,

@@ -81,14 +81,20 @@ class RunnerFuture:
                  errors: dict[str, str] | None = None, positions: list[int] | None = None,
                  prompt_logprobs: tuple[list[tuple[str, int, int, int]], LogprobsTensors] | None = None,
                  accept: Callable[[list[tuple[Any, int]]], None] | None = None,
+                 drafts: list[list[int]] | None = None,
                  pooled: tuple[list[str], tuple[torch.Tensor, torch.cuda.Event | None]] | None = None) -> None:
-        """`accept`: feeds (grammar matcher, token) pairs, the grammar compiler's (GrammarCompiler.accept);
-        `pooled`: runner="pooling", the request ids and the host copy of their vectors."""
+        """`states`, `positions`: per sampled row; `accept`: feeds (grammar matcher, token) pairs, the grammar
+        compiler's (GrammarCompiler.accept); `drafts`: speculative decoding, each sampled request's draft tokens,
+        its rows being its d drafts' positions + 1; `pooled`: runner="pooling", the request ids and the host copy
+        of their vectors."""
         self.states, self.sampled, self.host_copy = states, sampled, host_copy
+        self.drafts = drafts
         self.pooled = pooled
         self.prompt_logprobs = prompt_logprobs  # on the device until result()
         self.errors = errors or {}
-        self.positions = positions or []  # each sampled token's index in its request's token list
+        # Per sampled request, the index of its first new token in its token list.
+        positions = positions or []
+        self.positions = positions if drafts is None else [positions[r] for r in self._first_rows()]
         self.wait_for_device: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize
         self.accept = accept
         self._output: ModelRunnerOutput | None = None
@@ -106,18 +112,47 @@ class RunnerFuture:
             host, event = self.host_copy
             if event is not None:
                 self.wait_for_device(event)
-            token_ids = host.tolist()
+            rows = host.tolist()
+            row_logprobs = logprobs_to_lists(self.sampled, self.states)
+            if self.drafts is None:  # a token per request
+                heads = self.states
+                token_ids, logprobs = [[t] for t in rows], [[lp] for lp in row_logprobs]
+            else:
+                heads = [self.states[r] for r in self._first_rows()]
+                token_ids, logprobs = self._keep_drafts(rows, row_logprobs)
             grammars = []
-            for state, token_id in zip(self.states, token_ids):
-                state.token_ids.append(token_id)  # harmless for a request dropped meanwhile
-                if state.matcher is not None and not state.matcher.is_terminated():
-                    grammars.append((state.matcher, token_id))
+            for state, new in zip(heads, token_ids):
+                state.token_ids.extend(new)  # harmless for a request dropped meanwhile
+                if state.matcher is not None and not state.matcher.is_terminated():  # no drafts: one token
+                    grammars.append((state.matcher, new[0]))
             if grammars:
                 self.accept(grammars)
-            self._output = ModelRunnerOutput([s.req_id for s in self.states], token_ids,
-                                             logprobs_to_lists(self.sampled, self.states), self.errors,
+            self._output = ModelRunnerOutput([s.req_id for s in heads], token_ids, logprobs, self.errors,
                                              prompt_logprobs_to_lists(self.prompt_logprobs))
         return self._output
+
+    def _keep_drafts(self, rows: list[int], row_logprobs: list[TokenLogprobs | None]
+                     ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Speculative decoding: per request, its drafts up to the first that differs from what its position
+        sampled, then that sample (or, all kept, the sample after them): what decoding one by one gives."""
+        token_ids, logprobs = [], []
+        for first, drafts in zip(self._first_rows(), self.drafts):
+            kept = 0
+            while kept < len(drafts) and rows[first + kept] == drafts[kept]:
+                kept += 1
+            token_ids.append(rows[first : first + kept + 1])
+            logprobs.append(row_logprobs[first : first + kept + 1])
+        return token_ids, logprobs
+
+    def _first_rows(self) -> list[int] | range:
+        """Each sampled request's first row."""
+        if self.drafts is None:
+            return range(len(self.states))
+        firsts, row = [], 0
+        for drafts in self.drafts:
+            firsts.append(row)
+            row += len(drafts) + 1
+        return firsts
 
     def _pooled_lists(self) -> dict[str, list[float]]:
         if self.pooled is None:

@@ -3,7 +3,7 @@ scheduler output only has to carry deltas."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ class CachedRequestState:
     penalty_slot: int | None = None  # its token counts in the runner's PenaltyState, from its first sampling
     allowed_mask: torch.Tensor | None = None  # its allowed_token_ids as a [vocab] bool mask, from its first sampling
     pooled: torch.Tensor | None = None  # runner="pooling", MEAN / CLS: what its prompt's chunks so far pooled to
+    spare_generators: list[torch.Generator] = field(default_factory=list)  # seeded: rows 1.. of a speculative step
 
     @property
     def sampling_varies(self) -> bool:
@@ -55,11 +56,15 @@ class CachedRequestState:
         return {word[-1] for word in self.sampling_params.bad_words_token_ids or ()
                 if len(word) == 1 or (len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1])}
 
-    def seeded_generator(self, output_index: int) -> torch.Generator | None:
+    def seeded_generator(self, output_index: int, row: int = 0) -> torch.Generator | None:
         """Seeded sampling depends only on (seed, output position): reproducible
-        whatever the batch, after a preemption, and with async scheduling."""
+        whatever the batch, after a preemption, with async scheduling, and with speculative decoding (whose
+        step samples several positions of the request: `row` of them, each with a generator of its own)."""
         if self.generator is None:
             return None
-        self.generator.manual_seed((self.sampling_params.seed * 1_000_003 + output_index) % (1 << 63))
-        return self.generator
+        while len(self.spare_generators) < row:
+            self.spare_generators.append(torch.Generator(device=self.generator.device))
+        generator = self.spare_generators[row - 1] if row else self.generator
+        generator.manual_seed((self.sampling_params.seed * 1_000_003 + output_index) % (1 << 63))
+        return generator
 

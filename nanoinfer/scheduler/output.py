@@ -36,6 +36,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Requests finished, aborted or preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: the draft tokens each request computes after its known ones (counted in
+    # num_scheduled_tokens); the runner samples every one of their positions.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

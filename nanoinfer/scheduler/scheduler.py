@@ -5,6 +5,11 @@ fresh prompt needs many (a prefill, chunked when it does not fit the budget),
 a generating request needs one. All of them share one forward pass. Blocks are
 allocated lazily for exactly the tokens scheduled; when the pool runs dry the
 lowest-priority (FCFS: latest) running request is preempted by recompute.
+
+With speculative decoding a generating request also carries draft tokens
+(`spec_token_ids`, proposed from its own tokens after each step): they are
+scheduled as more tokens to compute, and the ones the runner did not keep are
+taken back out of `num_computed_tokens`, so their KV slots are written again.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from nanoinfer.kv_cache.manager import KVCacheManager
 from nanoinfer.outputs import EngineCoreOutput, ModelRunnerOutput
 from nanoinfer.request import Request, RequestStatus
 from nanoinfer.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from nanoinfer.spec_decode.ngram import NgramProposer
 
 
 class WaitingQueue:
@@ -57,6 +63,20 @@ class WaitingQueue:
         return (e[3] for e in self._heap) if self.policy == "priority" else iter(self._fifo)
 
 
+class SpecDecodeStats:
+    """Speculative decoding's counts since start (exported as vLLM's spec_decode metrics)."""
+
+    def __init__(self) -> None:
+        self.num_drafts = 0  # steps of a request that checked drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
         self.config = config
@@ -67,6 +87,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner in the next step
         self.num_preemptions = 0
+        # Speculative decoding (needs synchronous scheduling: drafts are proposed from the newest tokens).
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.spec_stats = SpecDecodeStats()
 
     # ----- requests in and out -----
 
@@ -116,7 +139,8 @@ class Scheduler:
             if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
                 index += 1  # its last token is in flight: nothing more to compute
                 continue
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            num_known = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
             while True:
                 new_blocks = kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
@@ -128,6 +152,10 @@ class Scheduler:
                     break
             if new_blocks is None:  # the request preempted itself: nothing left to run
                 break
+            if request.spec_token_ids:  # the drafts that fit the budget
+                request.spec_token_ids = request.spec_token_ids[: num_new - num_known]
+                if request.spec_token_ids:
+                    out.scheduled_spec_tokens[request.request_id] = request.spec_token_ids
             out.cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
@@ -174,7 +202,8 @@ class Scheduler:
         for request in self.running:
             num_scheduled = out.num_scheduled_tokens.get(request.request_id, 0)
             request.num_computed_tokens += num_scheduled
-            if num_scheduled and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            num_known_computed = request.num_computed_tokens - len(out.scheduled_spec_tokens.get(request.request_id, ()))
+            if num_scheduled and num_known_computed == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
@@ -186,6 +215,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # an in-flight token is dropped and recomputed
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(request.request_id)  # the runner forgets it; it comes back as new
@@ -207,22 +237,30 @@ class Scheduler:
                                             num_cached_tokens=max(request.num_cached_tokens, 0), pooled=vector))
             self.running.remove(request)
             self._free_request(request)
-        for req_id, token_id, logprobs in zip(output.req_ids, output.sampled_token_ids, output.logprobs):
+        for req_id, token_ids, logprobs in zip(output.req_ids, output.sampled_token_ids, output.logprobs):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while its step ran
             request.num_output_placeholders -= 1
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            if drafts:  # the runner kept len(token_ids) - 1 of them; the others' KV slots get rewritten later
+                request.num_computed_tokens -= len(drafts) - (len(token_ids) - 1)
+                self.spec_stats.add(len(drafts), len(token_ids) - 1)
             failed = req_id in output.errors
             if failed:
                 request.status = RequestStatus.FINISHED_ERROR
-            else:
+                token_ids, logprobs = [], []
+            for i, token_id in enumerate(token_ids):  # a stop among them drops the rest
                 request.append_output_token_ids([token_id])
-            finished = failed or request.check_stop(self.max_model_len)
+                if request.check_stop(self.max_model_len):
+                    token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
+                    break
+            finished = request.status.is_finished
             results.append(
                 EngineCoreOutput(
                     request_id=req_id,
-                    new_token_ids=[] if failed else [token_id],
-                    new_logprobs=[] if failed else [logprobs],
+                    new_token_ids=token_ids,
+                    new_logprobs=logprobs,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -232,6 +270,10 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._free_request(request)
+            elif self.proposer is not None and request.can_speculate:
+                # Every emitted token must fit max_tokens and the context: the drafts, and the one sampled after.
+                room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
         return results
 
     def check_invariants(self) -> None:

@@ -43,6 +43,12 @@ class ServerMetrics:
             "prefix_cache_queries": make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
             "prefix_cache_hits": make(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
             "num_preemptions": make(Counter, "num_preemptions", "Requests preempted (their KV cache dropped)."),
+            "spec_decode_num_drafts": make(Counter, "spec_decode_num_drafts",
+                                           "Speculative decoding: request steps that checked draft tokens."),
+            "spec_decode_num_draft_tokens": make(Counter, "spec_decode_num_draft_tokens",
+                                                 "Speculative decoding: draft tokens checked."),
+            "spec_decode_num_accepted_tokens": make(Counter, "spec_decode_num_accepted_tokens",
+                                                    "Speculative decoding: draft tokens kept."),
         }
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")

