@@ -1,7 +1,8 @@
 """Speculative decoding by n-gram lookup: time per output token with and without drafts, one request at a time
 and as a batch, on chat tasks whose replies copy from their prompt (where n-gram drafts are right) and on
 open-ended ones (where they are not). The embedded SmolLM2-135M-Instruct by default: drafts need real weights
-(a dummy model's output is noise, or loops that flatter the drafts). Also checks the promise: the same tokens.
+(a dummy model's output is noise, or loops that flatter the drafts). Also checks the promise: the same tokens
+(`*_same_tokens`: of the 4 replies, how many are equal; `*_common_prefix`: the mean fraction they agree on first).
 
     python bench/spec_decode.py [--num-speculative-tokens K] [--prompt-lookup-max N] [engine flags]
 """
@@ -101,7 +102,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     for kind in ("copying", "open"):
         figures[f"{kind}_speedup_single"] = round(figures[f"plain_{kind}_tpot_ms"] / figures[f"ngram_{kind}_tpot_ms"], 2)
-        figures[f"{kind}_same_tokens"] = tokens["plain", kind] == tokens["ngram", kind]
+        # Equal in float32; in bf16 a drafted step computes a position with other kernels (prefill attention, other
+        # GEMM shapes) than a one-token step, so a near-tie can round the other way and the texts part there.
+        pairs = list(zip(tokens["plain", kind], tokens["ngram", kind]))
+        figures[f"{kind}_same_tokens"] = sum(a == b for a, b in pairs)
+        figures[f"{kind}_common_prefix"] = round(statistics.mean(
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) / max(len(a), 1)
+            for a, b in pairs), 3)
     report("spec_decode", figures, args)
 
 
