@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +34,19 @@ from nanoinfer.pooling_params import PoolerConfig
 from nanoinfer.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger("nanoinfer")
+
+
+class StepInputs(NamedTuple):
+    """What `_prepare_inputs` makes of a scheduler output."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    query_start_loc: list[int]  # per request (the metadata's may be per token: a step of drafts)
+    logits_indices: torch.Tensor  # hidden rows to sample
+    sample_states: list[CachedRequestState]  # per sampled row
+    output_index: list[int]  # per sampled row: the output position it samples
+    drafts: list | None  # speculative decoding: per sampled request, its draft tokens
 
 
 class ModelRunner:
@@ -212,7 +225,7 @@ class ModelRunner:
         if self.last_sampling is not None and req_id in self.last_sampling[0]:
             self.last_sampling = None  # it holds this state's slot: a request back under its id needs its own
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput):
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         states = [self.requests[r] for r in scheduler_output.num_scheduled_tokens]
         counts_list = list(scheduler_output.num_scheduled_tokens.values())
         spec = scheduler_output.scheduled_spec_tokens
@@ -222,9 +235,11 @@ class ModelRunner:
         pending: list[tuple[int, int]] = []  # (input row, row in the previous step's sampled tensor)
         sample_rows: list[int] = []  # requests whose known (or in-flight) tokens are now all computed
         sampled_drafts: list = []  # per sampled request: the draft tokens after its known ones (speculative decoding)
+        all_decoding = True  # every request computes only its newest token (and drafts): no prefill in the step
         for i, (s, n) in enumerate(zip(states, counts_list)):
             begin, end, known = s.num_computed_tokens, s.num_computed_tokens + n, len(s.token_ids)
             drafts = spec.get(s.req_id, ()) if spec else ()
+            all_decoding = all_decoding and n == 1 + len(drafts)
             starts.append(begin)
             if drafts:  # scheduled synchronously: its known tokens are all on the host
                 token_ids.extend(s.token_ids[begin:known])
@@ -258,12 +273,19 @@ class ModelRunner:
             logits_indices = _expand_rows(logits_indices, np.array([len(d) for d in sampled_drafts], dtype=np.int64))
 
         pending_rows = np.array(pending, dtype=np.int64).reshape(-1, 2)
-        max_query_len = int(counts.max())
+        # Attention's view of the step: a sequence per request; or, for a step of drafts and decodes that fits
+        # the decode graphs, a sequence per token, each seeing the context up to itself (its request's drafts
+        # are written before attention reads): the decode kernel splits a long context over many programs,
+        # where the prefill kernel would give a request's few query tokens only a few (bench/NOTES.md).
+        attn_qsl, attn_seq_lens, attn_tables = query_start_loc, seq_lens, block_tables
+        if spec and all_decoding and len(token_ids) <= self.config.max_num_seqs:
+            attn_qsl, attn_seq_lens, attn_tables = np.arange(len(token_ids) + 1), positions + 1, block_tables[row]
+        max_query_len = int(np.diff(attn_qsl).max())
         decode_only = max_query_len == 1
-        seq_order = np.argsort(-seq_lens, kind="stable").astype(np.int32) if decode_only else np.zeros(0, np.int32)
+        seq_order = np.argsort(-attn_seq_lens, kind="stable").astype(np.int32) if decode_only else np.zeros(0, np.int32)
         (slot_mapping_gpu, query_start_loc_gpu, seq_lens_gpu, block_tables_gpu, input_ids_gpu, positions_gpu,
          logits_indices_gpu, pending_gpu, seq_order_gpu) = to_device_many(
-            [slot_mapping, query_start_loc.astype(np.int32), seq_lens.astype(np.int32), block_tables,
+            [slot_mapping, attn_qsl.astype(np.int32), attn_seq_lens.astype(np.int32), attn_tables,
              input_ids, positions, logits_indices, pending_rows, seq_order], self.device)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping_gpu,
@@ -271,22 +293,24 @@ class ModelRunner:
             seq_lens=seq_lens_gpu,
             block_tables=block_tables_gpu,
             max_query_len=max_query_len,
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            max_seq_len=int(attn_seq_lens.max()),
+            query_start_loc_cpu=attn_qsl.tolist(),
+            seq_lens_cpu=attn_seq_lens.tolist(),
             seq_order=seq_order_gpu if decode_only else None,
         )
         if pending:
             input_ids_gpu[pending_gpu[:, 0]] = self.prev_sampled[pending_gpu[:, 1]]
         sample_states = [states[i] for i in sample_rows]
         output_index = [int(seq_lens[i]) - s.prompt_len for i, s in zip(sample_rows, sample_states)]
+        inputs = StepInputs(input_ids_gpu, positions_gpu, metadata, query_start_loc.tolist(), logits_indices_gpu,
+                            sample_states, output_index, None)
         if not spec:
-            return input_ids_gpu, positions_gpu, metadata, logits_indices_gpu, sample_states, output_index, None
+            return inputs
         # A sampling row per sampled position: a request's rows sample its output positions in order.
         rows = [(s, last - len(d) + j) for s, last, d in zip(sample_states, output_index, sampled_drafts)
                 for j in range(len(d) + 1)]
-        return (input_ids_gpu, positions_gpu, metadata, logits_indices_gpu, [s for s, _ in rows], [i for _, i in rows],
-                sampled_drafts)
+        return inputs._replace(sample_states=[s for s, _ in rows], output_index=[i for _, i in rows],
+                               drafts=sampled_drafts)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
@@ -300,7 +324,7 @@ class ModelRunner:
         # it (the grammar's bitmask is filled meanwhile).
         waits_for_history = self.last_future is not None and any(
             self.requests[r].needs_newest_token and r in self.prev_rows for r in scheduler_output.num_scheduled_tokens)
-        input_ids, positions, metadata, logits_indices, sample_states, output_index, drafts = \
+        input_ids, positions, metadata, query_start_loc, logits_indices, sample_states, output_index, drafts = \
             self._prepare_inputs(scheduler_output)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
             hidden = self.cuda_graphs.run(input_ids, positions, metadata)
@@ -308,8 +332,8 @@ class ModelRunner:
             with set_forward_context(metadata):
                 hidden = self.model(input_ids, positions)
         if self.pooler is not None:
-            return self._pool(hidden, scheduler_output, metadata.query_start_loc_cpu, logits_indices, sample_states)
-        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output, metadata.query_start_loc_cpu)
+            return self._pool(hidden, scheduler_output, query_start_loc, logits_indices, sample_states)
+        prompt_logprobs = self._prompt_logprobs(hidden, scheduler_output, query_start_loc)
         if not sample_states:
             self.last_future = None
             return RunnerFuture([], None, None, prompt_logprobs=prompt_logprobs)
