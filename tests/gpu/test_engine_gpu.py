@@ -177,8 +177,9 @@ def test_fast_path_bf16_tracks_fp32_like_the_reference_path(fp32_reference: list
 
 
 def test_speculative_decoding_equals_the_reference_fp32(fp32_reference: list, monkeypatch) -> None:
-    """Draft tokens checked on the GPU (a request's newest token and its drafts are the query of a mixed-step
-    graph replay, every position sampled): the reference path's greedy tokens, up to near-ties."""
+    """Draft tokens checked on the GPU (a step of drafts and decodes replays a decode graph with a row per token;
+    one beside prefills, a mixed-step graph; every drafted position is sampled): the reference path's greedy
+    tokens, up to near-ties."""
     from nanoinfer import LLM
 
     steps = record_mixed_steps(monkeypatch)
@@ -195,7 +196,7 @@ def test_speculative_decoding_equals_the_reference_fp32(fp32_reference: list, mo
     print(f"drafts: {stats.spec_decode_num_draft_tokens} checked, {stats.spec_decode_num_accepted_tokens} kept; "
           f"{len(steps)} mixed-step replays")
     assert_greedy_close(fp32_reference, outs)
-    assert stats.spec_decode_num_draft_tokens > 0 and len(steps) > 2
+    assert stats.spec_decode_num_accepted_tokens > 0 and steps
 
 
 def test_smollm2_speculative_decoding_on_the_gpu_equals_the_cpu() -> None:
