@@ -144,10 +144,12 @@ def tiny_prompts() -> list[list[int]]:
     return [shared + [(13 * i + j) % 256 for j in range(3 + 4 * i)] for i in range(8)]
 
 
-def test_tiny_model_under_preemption_chunking_prefix_hits_and_n(tiny_models):
-    """A tiny random model loops (drafts are mostly right); a small pool and budget preempt and chunk; two
-    samples per prompt share its blocks; eos and stop token ids end requests mid-step."""
-    kwargs = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16)
+@pytest.mark.parametrize("max_num_seqs", [256, 3], ids=["decode-rows", "few-seqs"])
+def test_tiny_model_under_preemption_chunking_prefix_hits_and_n(tiny_models, max_num_seqs):
+    """A small pool and budget preempt and chunk; two samples per prompt share its blocks; eos and stop token ids
+    end requests mid-step. With max_num_seqs 3 a step's drafts and decodes outnumber the decode graphs' rows, so
+    attention takes them as sequences of several tokens (as beside a prefill) instead of a row per token."""
+    kwargs = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_num_seqs=max_num_seqs)
     params = [SamplingParams(temperature=0, max_tokens=100, n=2),
               SamplingParams(temperature=1.0, seed=3, max_tokens=40, n=2),
               SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[7, 100, 200]),
@@ -192,3 +194,32 @@ def test_server_with_drafts_answers_as_offline_and_counts_them(smol_pair, smollm
         assert metrics[("nanoinfer:spec_decode_num_drafts_total", ())] > 0
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_a_step_of_drafts_and_decodes_is_a_decode_step_of_a_row_per_token(tiny_models, monkeypatch):
+    """Attention sees each drafted position as a one-token sequence whose context ends at it (what the decode
+    kernels and graphs take); a step that also prefills keeps a sequence per request."""
+    from nanoinfer.model_runner.model_runner import ModelRunner
+
+    seen = []
+    prepare = ModelRunner._prepare_inputs
+
+    def spy(self, scheduler_output):
+        inputs = prepare(self, scheduler_output)
+        seen.append((dict(scheduler_output.num_scheduled_tokens), dict(scheduler_output.scheduled_spec_tokens),
+                     inputs))
+        return inputs
+
+    monkeypatch.setattr(ModelRunner, "_prepare_inputs", spy)
+    llm = LLM(tiny_models["llama"], block_size=4, num_kv_blocks=64, speculative_config=SPEC)
+    llm.generate([p * 2 for p in tiny_prompts()[:3]], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
+    drafted = [(n, spec, inputs) for n, spec, inputs in seen if spec]
+    assert sum(inputs.metadata.is_decode_only for _, _, inputs in drafted) > 0
+    for scheduled, spec, inputs in drafted:
+        metadata, tokens = inputs.metadata, sum(scheduled.values())
+        if all(count == 1 + len(spec.get(r, ())) for r, count in scheduled.items()):
+            assert metadata.is_decode_only and metadata.num_seqs == tokens
+            assert metadata.seq_lens.tolist() == (inputs.positions + 1).tolist()
+        else:
+            assert metadata.num_seqs == len(scheduled)
+        assert inputs.query_start_loc[-1] == tokens and len(inputs.query_start_loc) == len(scheduled) + 1
