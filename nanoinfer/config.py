@@ -70,6 +70,7 @@ class EngineConfig:
     max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
     generation_config: str = _arg("auto", "default sampling parameters of requests that leave them unset: auto takes temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens from the model folder's generation_config.json (as vLLM does); vllm ignores it; or a folder with a generation_config.json")
     runner: str = _arg("generate", "what the model does: generate text, or pool its hidden states into embeddings (LLM.embed, /v1/embeddings)", ("generate", "pooling"))
+    max_logprobs: int = _arg(20, "most logprobs a request may ask for (logprobs, prompt_logprobs; beam search asks for 2 x its width), as vLLM's; -1: up to the vocabulary")
     speculative_config: dict | None = _arg(None, 'speculative decoding by n-gram lookup, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M}: each step checks up to K draft tokens copied from where the newest N..M tokens occurred before in the prompt or output; the output is unchanged, steps yield up to K + 1 tokens (turns async_scheduling off)')
     pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
 
@@ -112,6 +113,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}")
         utilization = self.gpu_memory_utilization

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 # Below this temperature a request is greedy (argmax); dividing logits by a
 # tiny temperature would only overflow.
 _SAMPLING_EPS = 1e-5
-MAX_LOGPROBS = 20
 # Bounds on what one request may ask for every token of every step (OpenAI takes at most 4 stop strings; vLLM
 # sets no bound): stop strings are searched in the new text of each token, stop token ids masked per step
 # under min_tokens, so an unbounded list from one client would slow every request in the batch.
@@ -221,8 +220,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+            if value is not None and _check_int(name, value) < 0:  # the engine's max_logprobs bounds it at admission
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
         keep = self.truncate_prompt_tokens
         if keep is not None and _check_int("truncate_prompt_tokens", keep) < 1 and keep != -1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (max_model_len) or None, got "

@@ -320,3 +320,27 @@ def test_chat_continues_the_final_message(llm) -> None:
     assert llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True,
                     use_tqdm=False)[0].outputs[0].token_ids == \
         llm.generate([rendered], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask_for(tiny_models) -> None:
+    """vLLM's max_logprobs (20 by default; -1: the vocabulary), checked at admission for logprobs and
+    prompt_logprobs; a bound past the vocabulary is the vocabulary."""
+    small = LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=3)
+    assert small.engine.limits.max_logprobs == 3
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} must be at most 3 \\(the engine's max_logprobs\\), got 4"):
+            small.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **{field: 4}), use_tqdm=False)
+    assert_no_leak(small)
+    out = small.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert all(len(lp) >= 3 for lp in out.logprobs)
+    vocab = small.engine.limits.vocab_size
+    every = LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=-1)
+    assert every.engine.limits.max_logprobs == vocab == \
+        LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=10 * vocab).engine.limits.max_logprobs
+    out = every.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=vocab), use_tqdm=False)[0].outputs[0]
+    assert [len(lp) for lp in out.logprobs] == [vocab, vocab]  # the sampled token is among its top-vocab
+    with pytest.raises(ValueError, match=f"logprobs must be at most {vocab}"):
+        every.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    for bad in (-2, True, 1.5):
+        with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
+            LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=bad)

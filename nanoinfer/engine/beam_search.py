@@ -14,12 +14,13 @@ import math
 from dataclasses import dataclass, field
 
 from nanoinfer.outputs import Logprob, RequestOutput
-from nanoinfer.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanoinfer.sampling_params import SamplingParams
 
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's: `beam_width` beams (at most MAX_LOGPROBS / 2: each step asks for 2 x beam_width logprobs),
+    """vLLM's: `beam_width` beams (each step asks for 2 x beam_width logprobs: at most the engine's max_logprobs,
+    `check_width`),
     `max_tokens` generated tokens at most; `length_penalty`: a sequence's score is its cumulative logprob over
     its length (prompt included, as vLLM's) to this power; `temperature` of each step's sampling (the candidates
     are the top logprobs whatever it is)."""
@@ -31,11 +32,10 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        for name, low, high in (("beam_width", 1, MAX_LOGPROBS // 2), ("max_tokens", 1, None)):
+        for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
-                raise ValueError(f"{name} must be an integer in [{low}, {f'{high}]' if high else 'inf)'}, got "
-                                 f"{value!r:.40}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r:.40}")
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r:.40}")
         for name in ("temperature", "length_penalty"):
@@ -43,6 +43,12 @@ class BeamSearchParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
         self.step_params()  # the temperature is checked as sampling checks it
+
+    def check_width(self, max_logprobs: int) -> None:
+        """An engine refuses requests for more than its max_logprobs logprobs: say so in the search's terms."""
+        if 2 * self.beam_width > max_logprobs:
+            raise ValueError(f"beam_width {self.beam_width} asks for {2 * self.beam_width} logprobs per step, more "
+                             f"than the engine's max_logprobs ({max_logprobs}): at most {max_logprobs // 2}")
 
     def step_params(self) -> SamplingParams:
         """What each step's one-token request samples with."""

@@ -117,9 +117,10 @@ class EngineCore:
 
     def limits(self) -> EngineLimits:
         """What the front end's admission checks need to know about this core."""
-        return EngineLimits(self.max_model_len, self.max_tokens_per_request, self.config.block_size,
-                            self.source.hf_config.vocab_size, set(self.source.eos_token_ids),
-                            self.config.max_num_waiting)
+        vocab_size = self.source.hf_config.vocab_size
+        max_logprobs = vocab_size if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab_size)
+        return EngineLimits(self.max_model_len, self.max_tokens_per_request, self.config.block_size, vocab_size,
+                            set(self.source.eos_token_ids), self.config.max_num_waiting, max_logprobs)
 
     @property
     def max_tokens_per_request(self) -> int:

@@ -75,6 +75,7 @@ class EngineLimits:
     vocab_size: int
     eos_token_ids: set[int]
     max_num_waiting: int | None = None
+    max_logprobs: int = 20  # resolved: never more than the vocabulary
 
     def check_waiting_room(self, num_waiting: int, num_new: int) -> None:
         """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full, and a request
@@ -226,6 +227,11 @@ class InputProcessor:
             bad = [t for t in token_ids if t >= self.limits.vocab_size]
             if bad:
                 raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.limits.max_logprobs:
+                raise ValueError(f"{name} must be at most {self.limits.max_logprobs} (the engine's max_logprobs), "
+                                 f"got {value}")
         if params.structured_outputs is not None:
             self.check_grammar(params.structured_outputs)
         return params

@@ -143,6 +143,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
+        params.check_width(engine.limits.max_logprobs)
         searches = [BeamSearch(engine.input_processor.tokenize(_unpack_prompt(p)[0]), params,
                                engine.limits.eos_token_ids) for p in _prompt_list(prompts)]
         bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm, dynamic_ncols=True)

@@ -138,15 +138,18 @@ class GenerationRequest(_Body):
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self._structured_outputs(),
                               **given)
 
-    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
-        """use_beam_search: the n best of n beams. A field beam search would not follow is a 400, not ignored."""
+    def beam_search_params(self, max_tokens: int, max_logprobs: int) -> BeamSearchParams:
+        """use_beam_search: the n best of n beams (2n logprobs per step: at most the engine's max_logprobs). A
+        field beam search would not follow is a 400, not ignored."""
         unfollowed = sorted(name for name in self.model_fields_set & _NOT_IN_BEAM_SEARCH
                             if getattr(self, name) != type(self).model_fields[name].default)
         if unfollowed:
             raise ApiError(400, f"use_beam_search follows n, max_tokens, temperature, ignore_eos, length_penalty and "
                                 f"skip_special_tokens only, not {unfollowed}", unfollowed[0])
         try:
-            return BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.temperature or 0.0, self.length_penalty)
+            params = BeamSearchParams(self.n, max_tokens, self.ignore_eos, self.temperature or 0.0, self.length_penalty)
+            params.check_width(max_logprobs)
+            return params
         except (TypeError, ValueError) as e:
             name = str(e).split(" ", 1)[0]
             raise ApiError(400, str(e).replace("beam_width", "n (the beam width)", 1),

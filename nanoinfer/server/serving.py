@@ -399,7 +399,8 @@ class OpenAIServing:
             prompts = await self._tokenizing(raw, lambda: [self.client.input_processor.tokenize(p)
                                                            for p in make_prompts()])
             longest = max(map(len, prompts))
-            params = req.beam_search_params(self.client.input_processor.check_length(longest, max_tokens))
+            params = req.beam_search_params(self.client.input_processor.check_length(longest, max_tokens),
+                                            self.client.limits.max_logprobs)
             self.client.check_output_tokens(params.beam_width * params.max_tokens * len(prompts), max_tokens is None)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
