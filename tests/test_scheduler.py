@@ -626,7 +626,7 @@ def workloads(draw, policy: str):
     num_blocks = draw(st.integers(2, 10))
     # Speculative decoding (synchronous scheduling only) in a third of the runs, its drafts mostly kept under the
     # copying sampler and mostly rejected under the mixing one.
-    spec = draw(st.sampled_from([None, None, (1, 1, 1), (2, 3, 1), (4, 2, 2)]))
+    spec = draw(st.sampled_from([None, None, (1, 1, 1), (2, 3, 1), (4, 2, 2), (3, 2, 1, 2)]))
     config = dict(
         block_size=block_size,
         max_num_batched_tokens=draw(st.integers(1, 24)),
@@ -636,7 +636,7 @@ def workloads(draw, policy: str):
         scheduling_policy=policy,
         sampler=draw(st.sampled_from(list(SAMPLERS))),
         speculative_config=None if spec is None else dict(zip(
-            ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"), spec)),
+            ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"), spec)),
     )
     max_model_len = num_blocks * block_size  # every request fits the pool alone
     num_prefixes = draw(st.integers(1, 3))
@@ -753,3 +753,16 @@ def test_spec_decode_under_preemption_and_prefix_hits():
     h.run()
     h.check_outputs()
     assert h.scheduler.num_preemptions > 0 and h.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_spec_decode_pauses_above_disable_by_batch_size():
+    """No drafts while more requests than disable_by_batch_size run or wait; they resume below it."""
+    h = Harness(num_blocks=64, sampler="copy", speculative_config=dict(SPEC, disable_by_batch_size=1))
+    h.add("a", tokens(1, 7), max_tokens=6)
+    h.add("b", tokens(5, 9), max_tokens=30)
+    while len(h.scheduler.requests) > 1:
+        assert h.scheduler.spec_stats.num_drafts == 0 and not any(r.spec_token_ids for r in h.scheduler.running)
+        h.step()
+    h.run()
+    h.check_outputs()
+    assert h.scheduler.spec_stats.num_accepted_tokens > 0

@@ -67,6 +67,8 @@ def test_config_takes_vllms_form_and_defaults():
         SpeculativeConfig(2, 4, 4)
     assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "prompt_lookup_min": 2}) == \
         SpeculativeConfig(2, 2, 2)
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "disable_by_batch_size": 8}) == \
+        SpeculativeConfig(2, 5, 5, disable_by_batch_size=8)
     assert EngineConfig(speculative_config=SPEC).speculative == SpeculativeConfig(4, 3, 1)
     assert EngineConfig().speculative is None
 
@@ -78,6 +80,8 @@ def test_config_takes_vllms_form_and_defaults():
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "larger than prompt_lookup_max"),
     ({"num_speculative_tokens": 2, "model": "x"}, r"unknown key\(s\) \['model'\]"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, r"prompt_lookup_min must be an integer in \[1, 64\]"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be a positive integer"),
     ([2], "must be a dict"),
 ])
 def test_bad_settings_are_named(config, match):

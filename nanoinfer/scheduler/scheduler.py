@@ -270,11 +270,16 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._free_request(request)
-            elif self.proposer is not None and request.can_speculate:
+            elif self.proposer is not None and request.can_speculate and self._drafting():
                 # Every emitted token must fit max_tokens and the context: the drafts, and the one sampled after.
                 room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
         return results
+
+    def _drafting(self) -> bool:
+        """Whether drafts are proposed now (speculative_config's disable_by_batch_size)."""
+        limit = self.proposer.config.disable_by_batch_size
+        return limit is None or len(self.requests) <= limit
 
     def check_invariants(self) -> None:
         """Debug check after a step: KV bookkeeping consistent and owned only by live requests."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    # No drafts are proposed while more requests than this are running or waiting: a large batch is bound by its
+    # bytes and its host work, which drafts only add to.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> "SpeculativeConfig":
@@ -44,13 +47,19 @@ class SpeculativeConfig:
         if k is None:
             raise ValueError("speculative_config: num_speculative_tokens is required")
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
-        low, high = (5, 5) if low is None and high is None else (low or high, high or low)
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
         for name, value in (("num_speculative_tokens", k), ("prompt_lookup_min", low), ("prompt_lookup_max", high)):
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
                 raise ValueError(f"speculative_config: {name} must be an integer in [1, 64], got {value!r}")
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) is larger than prompt_lookup_max ({high})")
-        return cls(k, high, low)
+        limit = config.get("disable_by_batch_size")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive integer or None, got "
+                             f"{limit!r}")
+        return cls(k, high, low, disable_by_batch_size=limit)
 
 
 class NgramProposer:
