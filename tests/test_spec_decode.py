@@ -27,17 +27,17 @@ def proposer(k: int = 3, high: int = 3, low: int = 1) -> NgramProposer:
 
 def test_proposes_what_followed_the_latest_longest_match():
     p = proposer()
-    assert p.propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3], 10) == [4, 7, 8]  # "2 3" last seen before "4 7 8"
-    assert p.propose([7, 2, 3, 9, 9, 1, 2, 3, 5, 1, 2, 3], 10) == [5, 1, 2]  # "1 2 3" beats a later "2 3"
-    assert p.propose([1, 2, 3, 1, 2], 10) == [3, 1, 2]  # the drafts may run into the suffix itself
+    assert p.propose("r", [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3], 10) == [4, 7, 8]  # "2 3" last seen before "4 7 8"
+    assert p.propose("s", [7, 2, 3, 9, 9, 1, 2, 3, 5, 1, 2, 3], 10) == [5, 1, 2]  # "1 2 3" beats a later "2 3"
+    assert p.propose("t", [1, 2, 3, 1, 2], 10) == [3, 1, 2]  # the drafts may run into the suffix itself
 
 
 def test_proposes_nothing_without_a_long_enough_match_or_room():
-    assert proposer().propose([1, 2, 3, 4], 10) == []
-    assert proposer().propose([5], 10) == []
-    assert proposer(low=2).propose([4, 1, 9, 1], 10) == []  # only a 1-gram repeats
-    assert proposer().propose([1, 2, 1, 2], 0) == []
-    assert proposer().propose([1, 2, 1, 2], 1) == [1]
+    assert proposer().propose("r", [1, 2, 3, 4], 10) == []
+    assert proposer().propose("r", [5], 10) == []
+    assert proposer(low=2).propose("r", [4, 1, 9, 1], 10) == []  # only a 1-gram repeats
+    assert proposer().propose("r", [1, 2, 1, 2], 0) == []
+    assert proposer().propose("r", [1, 2, 1, 2], 1) == [1]
 
 
 def brute_force(tokens: list[int], k: int, high: int, low: int) -> list[int]:
@@ -55,7 +55,20 @@ def brute_force(tokens: list[int], k: int, high: int, low: int) -> list[int]:
        st.integers(0, 6))
 def test_proposer_matches_a_brute_force_search(tokens, k, high, low, room):
     low, high = min(low, high), max(low, high)
-    assert proposer(k, high, low).propose(tokens, room) == brute_force(tokens, min(k, room), high, low)[:room]
+    assert proposer(k, high, low).propose("r", tokens, room) == brute_force(tokens, min(k, room), high, low)[:room]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=300), st.lists(st.integers(1, 9), max_size=40))
+def test_a_growing_request_is_searched_as_a_whole(tokens, cuts):
+    """One request's tokens grow between its proposals (the buffer copies only the new ones, doubling as it
+    fills); a finished request's id starts anew."""
+    p, end = proposer(3, 3, 1), 1
+    for cut in cuts + [len(tokens)]:
+        end = min(len(tokens), end + cut)
+        assert p.propose("r", tokens[:end], 3) == brute_force(tokens[:end], 3, 3, 1)
+    p.forget("r")
+    assert p.propose("r", tokens[:2], 3) == brute_force(tokens[:2], 3, 3, 1)
 
 
 # ----- settings -----

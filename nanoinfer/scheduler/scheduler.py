@@ -115,6 +115,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -273,7 +275,7 @@ class Scheduler:
             elif self.proposer is not None and request.can_speculate and self._drafting():
                 # Every emitted token must fit max_tokens and the context: the drafts, and the one sampled after.
                 room = min(request.max_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+                request.spec_token_ids = self.proposer.propose(req_id, request.all_token_ids, room)
         return results
 
     def _drafting(self) -> bool:

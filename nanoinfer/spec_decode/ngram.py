@@ -63,28 +63,48 @@ class SpeculativeConfig:
 
 
 class NgramProposer:
+    """Proposes each request's drafts after each of its steps. The search runs over a numpy copy of the request's
+    tokens that only grows by its new ones (converting the whole list each step cost ~16 us of ~30 per request on
+    our CPU at 1,000 tokens: ~8 ms per step at 256 requests)."""
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self._tokens: dict[str, tuple[np.ndarray, int]] = {}  # request id -> (buffer, tokens in it)
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def forget(self, request_id: str) -> None:
+        """The request is gone (finished or aborted): its buffer too, so a later request under its id starts anew."""
+        self._tokens.pop(request_id, None)
+
+    def propose(self, request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
         """Up to min(num_speculative_tokens, max_drafts) tokens that followed the latest earlier occurrence of
-        the longest matching suffix of `token_ids`, or none."""
+        the longest matching suffix of `token_ids` (the request's tokens so far: they only grow), or none."""
         k = min(self.config.num_speculative_tokens, max_drafts)
         n_max = min(self.config.prompt_lookup_max, len(token_ids) - 1)
         if k <= 0 or n_max < self.config.prompt_lookup_min:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        # length[e]: how many tokens ending at position e (before the newest token) equal the suffix of that
-        # length, grown one position back per pass: n_max vector passes, whatever the repetitions.
-        earlier = tokens[:-1]
-        match = earlier == tokens[-1]
-        length = match.astype(np.int32)
+        tokens = self._buffer(request_id, token_ids)
+        # The positions before the newest token that hold a token equal to it, newest first; each is extended
+        # backwards, all at once, while the tokens before it equal the suffix's: `length` is how far it matched.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+        length = np.ones(len(ends), dtype=np.int64)
+        alive = ends
         for back in range(1, n_max):
-            match[back:] &= earlier[:-back] == tokens[-1 - back]
-            match[:back] = False
-            length += match
-        best = int(length.max(initial=0))
-        if best < self.config.prompt_lookup_min:
+            alive = alive[(alive >= back) & (tokens[alive - back] == tokens[-1 - back])]
+            if not len(alive):
+                break
+            length[np.searchsorted(ends, alive)] += 1
+        if not len(ends) or int(length.max()) < self.config.prompt_lookup_min:
             return []
-        end = len(earlier) - 1 - int(np.argmax(length[::-1] == best))  # the latest occurrence
+        end = int(ends[len(ends) - 1 - int(np.argmax(length[::-1] == length.max()))])  # the latest longest
         return tokens[end + 1 : end + 1 + k].tolist()
+
+    def _buffer(self, request_id: str, token_ids: list[int]) -> np.ndarray:
+        """The request's tokens as an int64 array, copying only what is new since the last call."""
+        buffer, n = self._tokens.get(request_id, (None, 0))
+        if buffer is None or n > len(token_ids):
+            buffer, n = np.empty(max(64, 2 * len(token_ids)), dtype=np.int64), 0
+        elif len(token_ids) > len(buffer):
+            buffer = np.concatenate([buffer[:n], np.empty(len(token_ids) * 2 - n, dtype=np.int64)])
+        buffer[n : len(token_ids)] = token_ids[n:]
+        self._tokens[request_id] = (buffer, len(token_ids))
+        return buffer[: len(token_ids)]
