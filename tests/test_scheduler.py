@@ -766,3 +766,15 @@ def test_spec_decode_pauses_above_disable_by_batch_size():
     h.run()
     h.check_outputs()
     assert h.scheduler.spec_stats.num_accepted_tokens > 0
+
+
+def test_spec_decode_drops_drafts_rather_than_preempt_for_them():
+    """A pool that holds both requests to their ends, but not b's drafts while a still runs: the drafts give way
+    and nobody is preempted (a preemption for drafts would recompute a whole request), and the output is the
+    reference."""
+    h = Harness(num_blocks=4, block_size=4, sampler="copy", speculative_config=dict(SPEC, num_speculative_tokens=2))
+    h.add("a", tokens(1, 3), max_tokens=5)  # 8 tokens: 2 blocks
+    h.add("b", tokens(2, 3), max_tokens=10)  # 13 tokens: 4 blocks, 3 of them while a runs
+    h.run()
+    h.check_outputs()
+    assert h.scheduler.num_preemptions == 0 and h.scheduler.spec_stats.num_accepted_tokens > 0

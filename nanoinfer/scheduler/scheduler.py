@@ -8,8 +8,9 @@ lowest-priority (FCFS: latest) running request is preempted by recompute.
 
 With speculative decoding a generating request also carries draft tokens
 (`spec_token_ids`, proposed from its own tokens after each step): they are
-scheduled as more tokens to compute, and the ones the runner did not keep are
-taken back out of `num_computed_tokens`, so their KV slots are written again.
+scheduled as more tokens to compute (when the pool is short they give way
+before anyone is preempted), and the ones the runner did not keep are taken
+back out of `num_computed_tokens`, so their KV slots are written again.
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
+                if num_new > num_known:  # drafts are optional: drop them before preempting anyone for them
+                    num_new = min(num_known, budget)
+                    continue
                 victim = self.running[-1]  # FCFS: the latest; priority: the least important
                 self._preempt(victim)
                 preempted_any = True
