@@ -716,6 +716,8 @@ def test_spec_decode_kept_drafts_save_steps_and_change_no_token():
     assert spec.outputs == plain.outputs
     stats = spec.scheduler.spec_stats
     assert stats.num_accepted_tokens > 0.8 * stats.num_draft_tokens > 0
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens and len(stats.accepted_per_pos) == 3
+    assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)  # a kept draft's earlier ones were
     assert spec.num_steps < plain.num_steps / 2
     assert plain.scheduler.spec_stats.num_drafts == 0
 

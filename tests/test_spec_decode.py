@@ -5,6 +5,8 @@ rewritten before it is read, preemption) is in test_scheduler.py's harness and p
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -209,6 +211,9 @@ def test_server_with_drafts_answers_as_offline_and_counts_them(smol_pair, smollm
         accepted = metrics[("nanoinfer:spec_decode_num_accepted_tokens_total", ())]
         assert 0 < accepted <= metrics[("nanoinfer:spec_decode_num_draft_tokens_total", ())]
         assert metrics[("nanoinfer:spec_decode_num_drafts_total", ())] > 0
+        per_pos = {labels: v for (name, labels), v in metrics.items()
+                   if name == "nanoinfer:spec_decode_num_accepted_tokens_per_pos_total"}
+        assert sum(per_pos.values()) == accepted and (("position", "0"),) in per_pos
     finally:
         assert server.stop() == 0, server.log()
 
@@ -240,3 +245,22 @@ def test_a_step_of_drafts_and_decodes_is_a_decode_step_of_a_row_per_token(tiny_m
         else:
             assert metadata.num_seqs == len(scheduled)
         assert inputs.query_start_loc[-1] == tokens and len(inputs.query_start_loc) == len(scheduled) + 1
+
+
+def test_metrics_count_kept_drafts_by_position_and_log_the_acceptance():
+    """The server's view of the core's counts: a counter per draft position (vLLM's
+    spec_decode_num_accepted_tokens_per_pos), and the periodic log line's acceptance over its interval."""
+    from nanoinfer.engine.core import SchedulerStats
+    from nanoinfer.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    stats = SchedulerStats(1, 0, 0.5, 0, 0, 0, spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                           spec_decode_num_accepted_tokens=6, spec_decode_num_accepted_tokens_per_pos=[3, 2, 1])
+    metrics.on_core_stats(dataclasses.asdict(stats), 10)
+    assert "draft acceptance rate: 50.0%, mean acceptance length: 2.50" in metrics.log_line()
+    stats.spec_decode_num_accepted_tokens_per_pos = [4, 2, 1, 1]
+    metrics.on_core_stats(dataclasses.asdict(stats), 10)
+    text = metrics.render().decode()
+    for position, total in enumerate([4, 2, 1, 1]):
+        assert f'spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{position}"}} {total}.0' in text
+    assert "draft acceptance" not in metrics.log_line()  # no drafts since the last line

@@ -11,7 +11,7 @@ import dataclasses
 import gc
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,7 @@ class SchedulerStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
 class EngineCore:
@@ -184,4 +185,5 @@ class EngineCore:
         kv, spec = self.scheduler.kv_cache_manager, self.scheduler.spec_stats
         return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
                               kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions,
-                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                              list(spec.accepted_per_pos))

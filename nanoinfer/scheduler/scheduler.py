@@ -71,11 +71,15 @@ class SpecDecodeStats:
         self.num_drafts = 0  # steps of a request that checked drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []  # [i]: drafts kept at position i of their step (0: the first)
 
     def add(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+        self.accepted_per_pos += [0] * (num_accepted_tokens - len(self.accepted_per_pos))
+        for position in range(num_accepted_tokens):
+            self.accepted_per_pos[position] += 1
 
 
 class Scheduler:

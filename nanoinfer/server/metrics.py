@@ -50,6 +50,10 @@ class ServerMetrics:
             "spec_decode_num_accepted_tokens": make(Counter, "spec_decode_num_accepted_tokens",
                                                     "Speculative decoding: draft tokens kept."),
         }
+        self.spec_accepted_per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                          "Speculative decoding: draft tokens kept, by their position in the step.",
+                                          ("position",))
+        self._accepted_per_pos: list[int] = []
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self._request_success = make(Counter, "request_success", "Finished requests, by finish reason.",
@@ -69,6 +73,7 @@ class ServerMetrics:
         # Totals at the last log line, for its rates.
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self._logged = (time.monotonic(), 0, 0)
+        self._logged_drafts = (0, 0, 0)  # speculative decoding's (drafts, draft tokens, kept) at the last log line
 
     # ----- per request -----
 
@@ -118,6 +123,11 @@ class ServerMetrics:
             if increment > 0:
                 counter.inc(increment)
             self._core_totals[name] = stats[name]
+        for position, total in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            before = self._accepted_per_pos[position] if position < len(self._accepted_per_pos) else 0
+            if total > before:
+                self.spec_accepted_per_pos.labels(position=str(position), **self._label).inc(total - before)
+        self._accepted_per_pos = list(stats["spec_decode_num_accepted_tokens_per_pos"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -134,7 +144,15 @@ class ServerMetrics:
         elapsed = max(now - last_time, 1e-9)
         queries = self._core_totals["prefix_cache_queries"]
         hit_rate = self._core_totals["prefix_cache_hits"] / queries if queries else 0.0
-        return (f"prompt throughput: {prompt / elapsed:.1f} tok/s, generation throughput: "
+        line = (f"prompt throughput: {prompt / elapsed:.1f} tok/s, generation throughput: "
                 f"{generation / elapsed:.1f} tok/s, running: {running} reqs, waiting: {waiting} reqs, "
                 f"KV cache usage: {100 * self._stats.get('kv_cache_usage', 0.0):.1f}%, "
                 f"prefix cache hit rate: {100 * hit_rate:.1f}%")
+        drafts = tuple(self._core_totals[f"spec_decode_num_{name}"] for name in ("drafts", "draft_tokens",
+                                                                                  "accepted_tokens"))
+        steps, drafted, kept = (now - last for now, last in zip(drafts, self._logged_drafts))
+        self._logged_drafts = drafts
+        if drafted:  # as vLLM logs it: the share of drafts kept, and tokens per drafted step
+            line += (f", draft acceptance rate: {100 * kept / drafted:.1f}%, mean acceptance length: "
+                     f"{1 + kept / steps:.2f}")
+        return line
