@@ -74,8 +74,8 @@ class EngineLimits:
     block_size: int
     vocab_size: int
     eos_token_ids: set[int]
+    max_logprobs: int  # the engine's, resolved: never more than the vocabulary
     max_num_waiting: int | None = None
-    max_logprobs: int = 20  # resolved: never more than the vocabulary
 
     def check_waiting_room(self, num_waiting: int, num_new: int) -> None:
         """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full, and a request
