@@ -92,9 +92,11 @@ class RunnerFuture:
         self.pooled = pooled
         self.prompt_logprobs = prompt_logprobs  # on the device until result()
         self.errors = errors or {}
-        # Per sampled request, the index of its first new token in its token list.
+        # Each sampled request's first row (with drafts, a request has a row per draft + 1), and the index of its
+        # first new token in its token list.
+        self._first_rows = range(len(states)) if drafts is None else _first_rows(drafts)
         positions = positions or []
-        self.positions = positions if drafts is None else [positions[r] for r in self._first_rows()]
+        self.positions = positions if drafts is None else [positions[r] for r in self._first_rows]
         self.wait_for_device: Callable[[torch.cuda.Event], None] = torch.cuda.Event.synchronize
         self.accept = accept
         self._output: ModelRunnerOutput | None = None
@@ -118,7 +120,7 @@ class RunnerFuture:
                 heads = self.states
                 token_ids, logprobs = [[t] for t in rows], [[lp] for lp in row_logprobs]
             else:
-                heads = [self.states[r] for r in self._first_rows()]
+                heads = [self.states[r] for r in self._first_rows]
                 token_ids, logprobs = self._keep_drafts(rows, row_logprobs)
             grammars = []
             for state, new in zip(heads, token_ids):
@@ -136,23 +138,13 @@ class RunnerFuture:
         """Speculative decoding: per request, its drafts up to the first that differs from what its position
         sampled, then that sample (or, all kept, the sample after them): what decoding one by one gives."""
         token_ids, logprobs = [], []
-        for first, drafts in zip(self._first_rows(), self.drafts):
+        for first, drafts in zip(self._first_rows, self.drafts):
             kept = 0
             while kept < len(drafts) and rows[first + kept] == drafts[kept]:
                 kept += 1
             token_ids.append(rows[first : first + kept + 1])
             logprobs.append(row_logprobs[first : first + kept + 1])
         return token_ids, logprobs
-
-    def _first_rows(self) -> list[int] | range:
-        """Each sampled request's first row."""
-        if self.drafts is None:
-            return range(len(self.states))
-        firsts, row = [], 0
-        for drafts in self.drafts:
-            firsts.append(row)
-            row += len(drafts) + 1
-        return firsts
 
     def _pooled_lists(self) -> dict[str, list[float]]:
         if self.pooled is None:
@@ -161,3 +153,12 @@ class RunnerFuture:
         if event is not None:
             self.wait_for_device(event)
         return dict(zip(req_ids, host.tolist()))
+
+
+def _first_rows(drafts: list[list[int]]) -> list[int]:
+    """Each request's first sampled row, when a request with d drafts samples d + 1 rows."""
+    firsts, row = [], 0
+    for request_drafts in drafts:
+        firsts.append(row)
+        row += len(request_drafts) + 1
+    return firsts

@@ -148,10 +148,10 @@ class ServerMetrics:
                 f"{generation / elapsed:.1f} tok/s, running: {running} reqs, waiting: {waiting} reqs, "
                 f"KV cache usage: {100 * self._stats.get('kv_cache_usage', 0.0):.1f}%, "
                 f"prefix cache hit rate: {100 * hit_rate:.1f}%")
-        drafts = tuple(self._core_totals[f"spec_decode_num_{name}"] for name in ("drafts", "draft_tokens",
+        totals = tuple(self._core_totals[f"spec_decode_num_{name}"] for name in ("drafts", "draft_tokens",
                                                                                   "accepted_tokens"))
-        steps, drafted, kept = (now - last for now, last in zip(drafts, self._logged_drafts))
-        self._logged_drafts = drafts
+        steps, drafted, kept = (total - last for total, last in zip(totals, self._logged_drafts))
+        self._logged_drafts = totals
         if drafted:  # as vLLM logs it: the share of drafts kept, and tokens per drafted step
             line += (f", draft acceptance rate: {100 * kept / drafted:.1f}%, mean acceptance length: "
                      f"{1 + kept / steps:.2f}")
