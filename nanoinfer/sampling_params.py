@@ -164,6 +164,9 @@ class SamplingParams:
     # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM's: a long document cut to fit.
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's: False leaves the output as token ids (text "", logprobs without decoded_token), skipping the
+    # detokenizer's work; stop strings need the text, so they are refused then.
+    detokenize: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit each step
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled (the rest masked every step)
     # vLLM's: words never generated (each as the model would spell it at the start of the text and after a space):
@@ -210,8 +213,11 @@ class SamplingParams:
                 raise ValueError("bad_words_token_ids entries must be non-empty")
         self.stop_token_ids = ([] if self.stop_token_ids is None
                                else _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS))
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize"):
             _check_bool(name, getattr(self, name))
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are matched in the output text: they need detokenize=True (stop_token_ids "
+                             "work without it)")
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         if _check_int("min_tokens", self.min_tokens) < 0:

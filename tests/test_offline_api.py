@@ -72,6 +72,37 @@ def test_stream_takes_one_completion(llm):
         llm.stream(PROMPTS[0], SamplingParams(n=2))
 
 
+def test_detokenize_false_gives_the_same_tokens_without_text(llm):
+    """vLLM's detokenize=False: the token ids (and logprobs) of detokenize=True, the text left out, no logprob's
+    decoded token, prompt logprobs included; stop strings need the text, and streams yield text: both refused."""
+    params = greedy(12, logprobs=2, prompt_logprobs=1, stop_token_ids=[7])
+    plain, bare = llm.generate([PROMPTS[0], PROMPTS[0]], [params, dataclasses.replace(params, detokenize=False)],
+                               use_tqdm=False)
+    assert bare.outputs[0].token_ids == plain.outputs[0].token_ids and plain.outputs[0].text
+    assert bare.outputs[0].text == ""
+    for ours, theirs in zip(bare.outputs[0].logprobs, plain.outputs[0].logprobs):
+        assert {t: (lp.logprob, lp.rank) for t, lp in ours.items()} == \
+            {t: (lp.logprob, lp.rank) for t, lp in theirs.items()}
+        assert all(lp.decoded_token is None for lp in ours.values())
+        assert all(lp.decoded_token is not None for lp in theirs.values())
+    assert [lp is None or all(p.decoded_token is None for p in lp.values()) for lp in bare.prompt_logprobs] == \
+        [True] * len(bare.prompt_token_ids)
+    with pytest.raises(ValueError, match="detokenize=True"):
+        SamplingParams(stop=["."], detokenize=False)
+    with pytest.raises(TypeError, match="detokenize must be a bool"):
+        SamplingParams(detokenize="no")
+    with pytest.raises(ValueError, match="detokenize=False"):
+        llm.stream(PROMPTS[0], greedy(4, detokenize=False))
+    assert_no_leak(llm)
+
+
+def test_get_tokenizer_is_the_engines(llm, tiny_models):
+    assert llm.get_tokenizer() is llm.engine.tokenizer
+    assert llm.get_tokenizer().decode(llm.get_tokenizer().encode(PROMPTS[0])) == PROMPTS[0]
+    with pytest.raises(ValueError, match="no tokenizer"):
+        LLM(tiny_models["llama"], num_kv_blocks=16).get_tokenizer()
+
+
 # ----- prompts and conversations -----
 
 

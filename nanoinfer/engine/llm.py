@@ -113,6 +113,13 @@ class LLM:
         return self._submit(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params,
                             use_tqdm, priority)
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (a transformers tokenizer), as vLLM's: for chat templates, counting tokens or
+        decoding token ids."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: its model folder holds none (give tokenizer=PATH)")
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams() with the values of the model's generation_config.json (temperature, top_p,
         top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), unless generation_config='vllm'."""
@@ -255,6 +262,8 @@ class LLM:
                              f"generate() returns n completions")
         if isinstance(sampling_params, PoolingParams):
             raise ValueError("stream() yields generated text; embeddings come from embed()")
+        if isinstance(sampling_params, SamplingParams) and not sampling_params.detokenize:
+            raise ValueError("stream() yields text, which detokenize=False leaves out; generate() returns the token ids")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()  # a pooling engine refuses it: no text to stream
         return self._stream(str(next(self._ids)), prompt, sampling_params)

@@ -29,6 +29,7 @@ class ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent: int = 0  # tokens already in an output (DELTA)
+    decode: bool = True  # SamplingParams.detokenize: text and logprobs' decoded tokens
 
 
 @dataclass
@@ -64,11 +65,12 @@ class OutputProcessor:
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         pooling = params if isinstance(params, PoolingParams) else None
         children = {}
+        decode = pooling is None and params.detokenize
         for i, child_id in enumerate(child_ids):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) \
-                if self.tokenizer and pooling is None else None
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if self.tokenizer and decode \
+                else None
             children[child_id] = ChildState(i, detok, logprobs=[] if pooling is None and params.logprobs is not None
-                                            else None)
+                                            else None, decode=decode)
             self.child_to_parent[child_id] = request_id
         self.parents[request_id] = ParentState(request_id, prompt, prompt_token_ids, children, output_kind,
                                                pooling=pooling)
@@ -103,10 +105,11 @@ class OutputProcessor:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
-                parent.prompt_logprobs = [None if lp is None else self._logprobs(lp) for lp in out.prompt_logprobs]
+                parent.prompt_logprobs = [None if lp is None else self._logprobs(lp, child.decode)
+                                          for lp in out.prompt_logprobs]
             child.token_ids.extend(out.new_token_ids)
             if child.logprobs is not None:
-                child.logprobs.extend(self._logprobs(lp) for lp in out.new_logprobs if lp is not None)
+                child.logprobs.extend(self._logprobs(lp, child.decode) for lp in out.new_logprobs if lp is not None)
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
                 try:
@@ -134,12 +137,14 @@ class OutputProcessor:
         for child_id in parent.children:
             self.child_to_parent.pop(child_id, None)
 
-    def _logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
-        """The token's Logprob, then the top-n alternatives' (ranked 1 to n), keyed by token id."""
-        out = {lp.token_id: Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))}
+    def _logprobs(self, lp: TokenLogprobs, decode: bool) -> dict[int, Logprob]:
+        """The token's Logprob, then the top-n alternatives' (ranked 1 to n), keyed by token id; each with its
+        text if `decode` (the request's detokenize)."""
+        text = self._token_text if decode else lambda token_id: None
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, text(lp.token_id))}
         for rank, (token_id, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), 1):
             if token_id not in out:
-                out[token_id] = Logprob(value, rank, self._token_text(token_id))
+                out[token_id] = Logprob(value, rank, text(token_id))
         return out
 
     def _token_text(self, token_id: int) -> str | None:
