@@ -252,8 +252,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while its step ran
             request.num_output_placeholders -= 1
-            drafts, request.spec_token_ids = request.spec_token_ids, []
+            drafts = request.spec_token_ids
             if drafts:  # the runner kept len(token_ids) - 1 of them; the others' KV slots get rewritten later
+                request.spec_token_ids = []
                 request.num_computed_tokens -= len(drafts) - (len(token_ids) - 1)
                 self.spec_stats.add(len(drafts), len(token_ids) - 1)
             failed = req_id in output.errors

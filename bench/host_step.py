@@ -1,0 +1,133 @@
+"""Host work per decode step, on any machine (no GPU needed): where the engine's own Python time goes when
+`--num-seqs` requests decode together, phase by phase.
+
+    python bench/host_step.py [--num-seqs 256] [--steps 200] [--no-async-scheduling] [--speculative-config JSON]
+
+On a GPU the host must stay ahead of the device (async scheduling plans step N+1 while step N runs), so
+this is the budget that bounds a step when the GPU is fast (the fp8 KV cache at large batches, small
+models, serving). The model is the reference shape (Qwen3) shrunk to one tiny layer and a 2,048-token
+vocabulary, with dummy weights, on the CPU: its "device work" (forward, LM head, sampler) is reported
+apart from the host phases, which do not depend on the model's size. Prompts and sampling are the
+reference workload's (seed 0, 100-1024 random tokens, temperature 0.6, ignore_eos), every request
+decoding throughout; outputs are built when requests finish, as `LLM.generate` does. Run two trees
+through `PYTHONPATH` (bench/common.py) to compare revisions in one run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+from collections import defaultdict
+from random import randint, seed
+
+from common import QWEN3_06B, engine_kwargs, parser, report
+
+DEVICE_WORK = ("model forward", "lm head", "sampler")
+
+
+def tiny_reference_model(folder: str) -> str:
+    """The reference config shrunk to one tiny layer: host work per step is the same, device work ~nothing."""
+    with open(QWEN3_06B) as f:
+        config = json.load(f)
+    config.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, vocab_size=2048, bos_token_id=0, eos_token_id=1)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+def timed(phases: dict[str, float], obj, name: str, phase: str) -> None:
+    """Wrap obj.name so that its wall time adds to phases[phase]."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            phases[phase] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def measure(args) -> dict:
+    import torch
+
+    from nanoinfer import LLM, SamplingParams
+    from nanoinfer.model_runner.output import RunnerFuture
+    from nanoinfer.outputs import RequestOutputKind
+
+    torch.set_num_threads(1)  # the device work stays small and out of the host phases' way
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.engine
+    seed(0)
+    for i in range(args.num_seqs):
+        prompt = [randint(2, 2000) for _ in range(randint(100, 1024))]
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.6, ignore_eos=True,
+                                                          max_tokens=args.steps + 64),
+                           output_kind=RequestOutputKind.FINAL_ONLY)
+    scheduler = engine.core.scheduler
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+        engine.step()
+    for _ in range(10):
+        engine.step()
+    if len(scheduler.running) != args.num_seqs:
+        raise RuntimeError(f"{len(scheduler.running)} of {args.num_seqs} requests run: give a larger KV cache")
+
+    phases: dict[str, float] = defaultdict(float)
+    runner = engine.core.runner
+    timed(phases, scheduler, "schedule", "schedule")
+    timed(phases, runner, "_prepare_inputs", "prepare inputs")
+    timed(phases, runner, "_sampling_metadata", "sampling metadata")
+    timed(phases, runner.model, "forward", "model forward")
+    timed(phases, runner.model, "compute_logits", "lm head")
+    timed(phases, runner, "sampler", "sampler")
+    timed(phases, RunnerFuture, "result", "read back tokens")
+    timed(phases, scheduler, "update_from_output", "update")
+    timed(phases, engine.output_processor, "process_outputs", "output processing")
+    collections = defaultdict(lambda: [0, 0.0])
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            entry = collections[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(on_gc)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
+    llm.close()
+
+    ms = {phase: round(1e3 * seconds / args.steps, 3) for phase, seconds in phases.items()}
+    host = {phase: value for phase, value in ms.items() if phase not in DEVICE_WORK}
+    device = sum(ms[phase] for phase in DEVICE_WORK)
+    return {"num_seqs": args.num_seqs, "steps": args.steps, "async_scheduling": args.async_scheduling,
+            "host_ms_per_step": round(1e3 * wall / args.steps - device, 3), "host_phases_ms": host,
+            "other_host_ms": round(1e3 * wall / args.steps - sum(ms.values()), 3),
+            "device_work_on_cpu_ms": round(device, 3),
+            "gc": {f"gen{g}": {"collections": n, "ms_per_step": round(1e3 * s / args.steps, 3)}
+                   for g, (n, s) in sorted(collections.items())}}
+
+
+def main() -> None:
+    p = parser(__doc__, model_default=None)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--steps", type=int, default=200)
+    with tempfile.TemporaryDirectory() as folder:
+        p.set_defaults(model=tiny_reference_model(folder), device="cpu", dtype="float32", max_model_len=2048,
+                       kv_cache_memory_bytes=256 << 20)
+        args = p.parse_args()
+        report("host_step", measure(args), args)
+
+
+if __name__ == "__main__":
+    main()
