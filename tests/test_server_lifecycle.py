@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -142,3 +144,26 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(smollm2_path, tmp_path):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_the_core_process_freezes_what_its_engine_built(tmp_path):
+    """The engine-core process holds one engine until it exits: after start-up its KV block metadata (an object
+    per block) is out of the collector's view, so full collections do not walk it during steps."""
+    model = make_tiny_model(str(tmp_path / "tiny"), "llama")
+    script = f"""
+import gc
+from nanoinfer.config import EngineConfig
+from nanoinfer.loader.resolve import resolve_model
+from nanoinfer.server.core_process import EngineCoreProc
+
+config = EngineConfig.from_kwargs(model={model!r}, num_kv_blocks=4096)
+proc = EngineCoreProc("ipc://{tmp_path}/in", "ipc://{tmp_path}/out")
+proc.start(config, resolve_model(config))
+blocks = proc.core.scheduler.kv_cache_manager.pool.blocks
+tracked = {{id(o) for o in gc.get_objects()}}
+print("collectable blocks:", sum(id(b) in tracked for b in blocks), "of", len(blocks))
+proc.close()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "collectable blocks: 0 of 4096" in result.stdout, result.stdout
