@@ -57,6 +57,22 @@ def commit() -> str:
         return "unknown"
 
 
+def time_calls(totals: dict[str, float], owner, name: str, phase: str):
+    """Wrap `owner.name` (an instance's method or a class's) so that each call's wall time adds to
+    totals[phase]; returns what it replaced, to put back."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    return inner
+
+
 def report(name: str, figures: dict, args: argparse.Namespace) -> None:
     record = {"bench": name, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device_name(),
               "commit": commit(), "command": " ".join(sys.argv), **figures}
@@ -66,4 +82,4 @@ def report(name: str, figures: dict, args: argparse.Namespace) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-__all__ = ["parser", "engine_kwargs", "report", "device_name", "QWEN3_06B"]
+__all__ = ["parser", "engine_kwargs", "report", "device_name", "time_calls", "QWEN3_06B"]

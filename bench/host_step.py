@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from random import randint, seed
 
-from common import QWEN3_06B, engine_kwargs, parser, report
+from common import QWEN3_06B, engine_kwargs, parser, report, time_calls
 
 DEVICE_WORK = ("model forward", "lm head", "sampler")
 
@@ -37,20 +37,6 @@ def tiny_reference_model(folder: str) -> str:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
     return folder
-
-
-def timed(phases: dict[str, float], obj, name: str, phase: str) -> None:
-    """Wrap obj.name so that its wall time adds to phases[phase]."""
-    inner = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            phases[phase] += time.perf_counter() - start
-
-    setattr(obj, name, wrapper)
 
 
 def measure(args) -> dict:
@@ -77,17 +63,15 @@ def measure(args) -> dict:
     if len(scheduler.running) != args.num_seqs:
         raise RuntimeError(f"{len(scheduler.running)} of {args.num_seqs} requests run: give a larger KV cache")
 
-    phases: dict[str, float] = defaultdict(float)
+    phases: dict[str, float] = {}
     runner = engine.core.runner
-    timed(phases, scheduler, "schedule", "schedule")
-    timed(phases, runner, "_prepare_inputs", "prepare inputs")
-    timed(phases, runner, "_sampling_metadata", "sampling metadata")
-    timed(phases, runner.model, "forward", "model forward")
-    timed(phases, runner.model, "compute_logits", "lm head")
-    timed(phases, runner, "sampler", "sampler")
-    timed(phases, RunnerFuture, "result", "read back tokens")
-    timed(phases, scheduler, "update_from_output", "update")
-    timed(phases, engine.output_processor, "process_outputs", "output processing")
+    for owner, name, phase in ((scheduler, "schedule", "schedule"), (runner, "_prepare_inputs", "prepare inputs"),
+                               (runner, "_sampling_metadata", "sampling metadata"),
+                               (runner.model, "forward", "model forward"), (runner.model, "compute_logits", "lm head"),
+                               (runner, "sampler", "sampler"), (RunnerFuture, "result", "read back tokens"),
+                               (scheduler, "update_from_output", "update"),
+                               (engine.output_processor, "process_outputs", "output processing")):
+        time_calls(phases, owner, name, phase)
     collections = defaultdict(lambda: [0, 0.0])
     started = [0.0]
 

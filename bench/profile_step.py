@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from common import engine_kwargs, parser
+from common import engine_kwargs, parser, time_calls
 
 
 def timed_steps(engine, num_steps: int) -> float:
@@ -53,22 +53,11 @@ def host_phases(engine, num_steps: int) -> None:
     core = engine.core
     runner = core.tp_driver or core.runner
     totals = dict.fromkeys(("schedule", "launch", "wait", "update"), 0.0)
-    originals = [(core.scheduler, "schedule"), (runner, "execute_model"), (core.scheduler, "update_from_output")]
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - start
-        return wrapper
-
-    core.scheduler.schedule = timed("schedule", core.scheduler.schedule)
-    runner.execute_model = timed("launch", runner.execute_model)
-    core.scheduler.update_from_output = timed("update", core.scheduler.update_from_output)
-    synchronize = torch.cuda.Event.synchronize
-    torch.cuda.Event.synchronize = timed("wait", synchronize)
+    timed = [(core.scheduler, "schedule", "schedule"), (runner, "execute_model", "launch"),
+             (core.scheduler, "update_from_output", "update")]
+    for owner, name, phase in timed:
+        time_calls(totals, owner, name, phase)
+    synchronize = time_calls(totals, torch.cuda.Event, "synchronize", "wait")
     try:
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -77,7 +66,7 @@ def host_phases(engine, num_steps: int) -> None:
         wall = time.perf_counter() - start
     finally:
         torch.cuda.Event.synchronize = synchronize
-        for owner, name in originals:
+        for owner, name, _ in timed:
             del owner.__dict__[name]
     # update_from_output calls result(), so its time includes the wait: report them apart.
     totals["update"] -= totals["wait"]

@@ -30,3 +30,19 @@ def test_a_pythonpath_build_wins_over_the_checkout(tmp_path) -> None:
 def test_without_a_build_the_checkout_is_used(tmp_path) -> None:
     assert _imported_from(None) == ROOT / "nanoinfer" / "__init__.py"
     assert _imported_from(str(tmp_path)) == ROOT / "nanoinfer" / "__init__.py"  # an entry without nanoinfer/
+
+
+def test_host_step_reports_every_phase_of_a_decode_step(tmp_path) -> None:
+    """bench/host_step.py runs on the CPU and accounts for a step's host work phase by phase (each phase timed, and
+    the phases within the step's host time), with the device work (here the CPU's) apart."""
+    import json
+
+    out = tmp_path / "host.jsonl"
+    subprocess.run([sys.executable, "bench/host_step.py", "--num-seqs", "8", "--steps", "5", "--json-out", str(out)],
+                   cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
+    record = json.loads(out.read_text())
+    assert record["bench"] == "host_step" and record["num_seqs"] == 8 and record["steps"] == 5
+    assert set(record["host_phases_ms"]) == {"schedule", "prepare inputs", "sampling metadata", "read back tokens",
+                                             "update", "output processing"}
+    assert all(v > 0 for v in record["host_phases_ms"].values()) and record["device_work_on_cpu_ms"] > 0
+    assert record["host_ms_per_step"] >= sum(record["host_phases_ms"].values()) - 0.01  # each rounded to 1 us
