@@ -301,7 +301,7 @@ class ModelRunner:
         if pending:
             input_ids_gpu[pending_gpu[:, 0]] = self.prev_sampled[pending_gpu[:, 1]]
         sample_states = [states[i] for i in sample_rows]
-        output_index = [int(seq_lens[i]) - s.prompt_len for i, s in zip(sample_rows, sample_states)]
+        output_index = [n - s.prompt_len for n, s in zip(seq_lens[sample_rows].tolist(), sample_states)]
         inputs = StepInputs(input_ids_gpu, positions_gpu, metadata, query_start_loc.tolist(), logits_indices_gpu,
                             sample_states, output_index, None)
         if not spec:
