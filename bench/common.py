@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -57,6 +58,27 @@ def commit() -> str:
         return "unknown"
 
 
+class GcPauses:
+    """The garbage collector's pauses between start() and stop(): (generation, seconds) each."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._began = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._began))
+
+    def start(self) -> "GcPauses":
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
 def time_calls(totals: dict[str, float], owner, name: str, phase: str):
     """Wrap `owner.name` (an instance's method or a class's) so that each call's wall time adds to
     totals[phase]; returns what it replaced, to put back."""
@@ -82,4 +104,4 @@ def report(name: str, figures: dict, args: argparse.Namespace) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-__all__ = ["parser", "engine_kwargs", "report", "device_name", "time_calls", "QWEN3_06B"]
+__all__ = ["parser", "engine_kwargs", "report", "device_name", "GcPauses", "time_calls", "QWEN3_06B"]

@@ -15,15 +15,13 @@ through `PYTHONPATH` (bench/common.py) to compare revisions in one run.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import tempfile
 import time
-from collections import defaultdict
 from random import randint, seed
 
-from common import QWEN3_06B, engine_kwargs, parser, report, time_calls
+from common import QWEN3_06B, GcPauses, engine_kwargs, parser, report, time_calls
 
 DEVICE_WORK = ("model forward", "lm head", "sampler")
 
@@ -72,25 +70,17 @@ def measure(args) -> dict:
                                (scheduler, "update_from_output", "update"),
                                (engine.output_processor, "process_outputs", "output processing")):
         time_calls(phases, owner, name, phase)
-    collections = defaultdict(lambda: [0, 0.0])
-    started = [0.0]
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            entry = collections[info["generation"]]
-            entry[0] += 1
-            entry[1] += time.perf_counter() - started[0]
-
-    gc.callbacks.append(on_gc)
+    collector = GcPauses().start()
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     wall = time.perf_counter() - start
-    gc.callbacks.remove(on_gc)
+    collector.stop()
     llm.close()
 
+    by_generation: dict[int, list[float]] = {}
+    for generation, seconds in collector.pauses:
+        by_generation.setdefault(generation, []).append(seconds)
     ms = {phase: round(1e3 * seconds / args.steps, 3) for phase, seconds in phases.items()}
     host = {phase: value for phase, value in ms.items() if phase not in DEVICE_WORK}
     device = sum(ms[phase] for phase in DEVICE_WORK)
@@ -98,8 +88,8 @@ def measure(args) -> dict:
             "host_ms_per_step": round(1e3 * wall / args.steps - device, 3), "host_phases_ms": host,
             "other_host_ms": round(1e3 * wall / args.steps - sum(ms.values()), 3),
             "device_work_on_cpu_ms": round(device, 3),
-            "gc": {f"gen{g}": {"collections": n, "ms_per_step": round(1e3 * s / args.steps, 3)}
-                   for g, (n, s) in sorted(collections.items())}}
+            "gc": {f"gen{g}": {"collections": len(seconds), "ms_per_step": round(1e3 * sum(seconds) / args.steps, 3)}
+                   for g, seconds in sorted(by_generation.items())}}
 
 
 def main() -> None:

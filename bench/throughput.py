@@ -17,7 +17,7 @@ import json
 import time
 from random import randint, seed
 
-from common import engine_kwargs, parser, report
+from common import GcPauses, engine_kwargs, parser, report
 
 
 def workload(num_seqs: int, sampling: dict | None = None):
@@ -81,12 +81,10 @@ def _time_steps(core) -> dict:
     device) per step, and watch what could stall a step from outside it: Python's garbage collector
     (pause per collection) and torch.compile (graphs compiled during the run). A step that waits
     ~0 for the previous step's tokens is paced by the host, not the GPU."""
-    import gc
-
     import torch
     from torch._dynamo.utils import counters
 
-    stats = {"records": [], "gc": [], "graphs_before": counters["stats"]["unique_graphs"]}
+    stats = {"records": [], "gc": GcPauses().start(), "graphs_before": counters["stats"]["unique_graphs"]}
     records, schedule, step = stats["records"], core.scheduler.schedule, core.step
     synchronize = torch.cuda.Event.synchronize
     stats["unwrapped"] = schedule, step, synchronize
@@ -108,26 +106,17 @@ def _time_steps(core) -> dict:
         records[-1][2] = time.perf_counter() - t
         return result
 
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            stats["gc_start"] = time.perf_counter()
-        else:
-            stats["gc"].append((info["generation"], time.perf_counter() - stats["gc_start"]))
-
     core.scheduler.schedule, core.step = timed_schedule, timed_step
     torch.cuda.Event.synchronize = timed_synchronize
-    stats["on_gc"] = on_gc
-    gc.callbacks.append(on_gc)
     return stats
 
 
 def _summarise(stats, core) -> dict:
-    import gc
-
     import torch
     from torch._dynamo.utils import counters
 
-    gc.callbacks.remove(stats["on_gc"])
+    stats["gc"].stop()
+    pauses = stats["gc"].pauses
     core.scheduler.schedule, core.step, torch.cuda.Event.synchronize = stats["unwrapped"]
     records = stats["records"]
     decode = [r for r in records if r[0] and r[1]]
@@ -139,12 +128,12 @@ def _summarise(stats, core) -> dict:
         if sel:
             by_batch[f"{lo}-{hi}"] = {"steps": len(sel), "ms_per_step": round(1e3 * sum(sel) / len(sel), 3),
                                       "wait_ms_per_step": round(1e3 * sum(waits) / len(sel), 3)}
-    full_gc = [d for g, d in stats["gc"] if g == 2]
+    full_gc = [d for g, d in pauses if g == 2]
     return {"decode_steps": len(decode), "decode_s": round(sum(r[2] for r in decode), 3), "mixed_steps": len(mixed),
             "mixed_s": round(sum(r[2] for r in mixed), 3), "mixed_wait_s": round(sum(r[3] for r in mixed), 3),
             "decode_by_batch": by_batch,
             "slowest_mixed_ms": sorted((round(1e3 * r[2], 1) for r in mixed), reverse=True)[:3],
-            "gc_collections": len(stats["gc"]), "gc_s": round(sum(d for _, d in stats["gc"]), 3),
+            "gc_collections": len(pauses), "gc_s": round(sum(d for _, d in pauses), 3),
             "gc_full_s": round(sum(full_gc), 3),
             "graphs_compiled_during_run": counters["stats"]["unique_graphs"] - stats["graphs_before"]}
 
