@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, live_beams
+from nanoinfer.engine.core import defer_full_collections
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import (EmbeddingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
                                ScoringRequestOutput)
@@ -183,7 +184,8 @@ class LLM:
                 prompt, cache_salt = _unpack_prompt(prompt)
                 self.engine.add_request(request_id, prompt, p, rank, cache_salt,
                                         output_kind=RequestOutputKind.FINAL_ONLY)
-            return self._run(ids, use_tqdm)
+            with defer_full_collections():
+                return self._run(ids, use_tqdm)
         finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
             self._forget(ids)
 
