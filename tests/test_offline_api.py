@@ -1,7 +1,8 @@
 """The offline API's contract beyond one generate call: streams read interleaved with each other and with
 generate each get their own text; vLLM's dict prompts; conversations checked before the chat template; a
 failed step or a closed engine is a clear error for every later call, never a hang; request ids of the
-in-process engine (reuse after an abort, a user id that looks like a child's)."""
+in-process engine (reuse after an abort, a user id that looks like a child's); the collector's full passes
+deferred while a call runs."""
 
 from __future__ import annotations
 
@@ -375,3 +376,68 @@ def test_max_logprobs_bounds_what_a_request_may_ask_for(tiny_models) -> None:
     for bad in (-2, True, 1.5):
         with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
             LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=bad)
+
+
+# ----- the collector during a call -----
+
+
+def test_full_collections_wait_while_a_call_runs_and_come_back_after(tiny_models, monkeypatch):
+    """A full pass walks every KV block object: offline calls defer them while their requests run (young passes
+    go on), and the thresholds come back after the call, a failed one included."""
+    import gc
+
+    llm = LLM(tiny_models["llama"], num_kv_blocks=64)
+    before = gc.get_threshold()
+    seen = []
+    step = llm.engine.step
+
+    def recording_step():
+        seen.append(gc.get_threshold())
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    llm.generate([[1, 2, 3], [4, 5]], greedy(4), use_tqdm=False)
+    assert seen and all(t == (before[0], before[1], 2**31 - 1) for t in seen)
+    assert gc.get_threshold() == before
+
+    def failing_step():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)
+    assert gc.get_threshold() == before
+
+
+def test_overlapping_calls_restore_the_thresholds_once_the_last_ends():
+    import gc
+
+    from nanoinfer.engine.core import defer_full_collections
+
+    before = gc.get_threshold()
+    outer = defer_full_collections()
+    outer.__enter__()
+    with defer_full_collections():
+        assert gc.get_threshold()[2] == 2**31 - 1
+    assert gc.get_threshold()[2] == 2**31 - 1  # the outer call still runs
+    outer.__exit__(None, None, None)
+    assert gc.get_threshold() == before
+
+
+def test_a_run_leaves_no_cyclic_garbage(tiny_models):
+    """What deferring full passes relies on: the requests of a call are freed by reference counting alone, so
+    nothing waits for the full pass that no longer comes during the call."""
+    import gc
+
+    llm = LLM(tiny_models["llama"], num_kv_blocks=256)
+    params = [greedy(8, logprobs=2), SamplingParams(temperature=0.8, seed=1, max_tokens=8, n=2), greedy(8)]
+    llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)  # first-call caches
+    gc.collect()
+    gc.disable()
+    try:
+        outs = llm.generate([[i + 1, i + 2, i + 3] for i in range(24)], params * 8, use_tqdm=False)
+        assert len(outs) == 24
+        del outs
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

@@ -50,7 +50,8 @@ class EngineCoreProc:
         # This process holds this one engine until it exits, so what the engine built is never garbage: out of
         # the collector's view, its full passes stop walking the KV block metadata (one object per block: ~10^5
         # on a GPU; a pass over 131k took ~35 ms on our CPU, a pause of every stream). Offline engines are not
-        # frozen so: a dropped engine's reference cycles must stay collectable (engine/core.py).
+        # frozen so: a dropped engine's reference cycles must stay collectable (engine/core.py); their calls defer
+        # full passes while they run instead (`defer_full_collections`).
         gc.collect()
         gc.freeze()
         self.limits = self.core.limits()
