@@ -9,7 +9,7 @@
 source "$(dirname "$0")/suite_common.sh"
 EIGHT_B=(--model nanoinfer/configs/qwen3-8b.json --max-model-len 2048)
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  run 400 tp_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_tp_gpu.py tests/test_all_reduce_kernel.py \
+  run 560 tp_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_tp_gpu.py tests/test_all_reduce_kernel.py \
     -v -s --tb=short -p no:cacheprovider --timeout 250
 fi
 if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = bench1 ]; then
