@@ -178,16 +178,16 @@ class LLM:
         if not len(params) == len(priority) == len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} params and {len(priority)} priorities")
         ids = [str(next(self._ids)) for _ in prompts]
-        try:
-            for request_id, prompt, p, rank in zip(ids, prompts, params, priority):
-                self._inbox[request_id] = []
-                prompt, cache_salt = _unpack_prompt(prompt)
-                self.engine.add_request(request_id, prompt, p, rank, cache_salt,
-                                        output_kind=RequestOutputKind.FINAL_ONLY)
-            with defer_full_collections():
+        with defer_full_collections():
+            try:
+                for request_id, prompt, p, rank in zip(ids, prompts, params, priority):
+                    self._inbox[request_id] = []
+                    prompt, cache_salt = _unpack_prompt(prompt)
+                    self.engine.add_request(request_id, prompt, p, rank, cache_salt,
+                                            output_kind=RequestOutputKind.FINAL_ONLY)
                 return self._run(ids, use_tqdm)
-        finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
-            self._forget(ids)
+            finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
+                self._forget(ids)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list:
         results: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
