@@ -7,13 +7,14 @@ deferred while a call runs."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 
 import pytest
 
 from test_server import tiny_model_with_smollm2_vocab
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.engine.core import EngineDeadError
+from nanoinfer.engine.core import EngineDeadError, defer_full_collections
 from nanoinfer.sampling_params import child_seed
 
 PROMPTS = ["The weather today", "Once upon a time", "1, 2, 3,"]
@@ -384,8 +385,6 @@ def test_max_logprobs_bounds_what_a_request_may_ask_for(tiny_models) -> None:
 def test_full_collections_wait_while_a_call_runs_and_come_back_after(tiny_models, monkeypatch):
     """A full pass walks every KV block object: offline calls defer them while their requests run (young passes
     go on), and the thresholds come back after the call, a failed one included."""
-    import gc
-
     llm = LLM(tiny_models["llama"], num_kv_blocks=64)
     before = gc.get_threshold()
     seen = []
@@ -410,9 +409,6 @@ def test_full_collections_wait_while_a_call_runs_and_come_back_after(tiny_models
 
 
 def test_overlapping_calls_restore_the_thresholds_once_the_last_ends():
-    import gc
-
-    from nanoinfer.engine.core import defer_full_collections
 
     before = gc.get_threshold()
     outer = defer_full_collections()
@@ -427,8 +423,6 @@ def test_overlapping_calls_restore_the_thresholds_once_the_last_ends():
 def test_a_run_leaves_no_cyclic_garbage(tiny_models):
     """What deferring full passes relies on: the requests of a call are freed by reference counting alone, so
     nothing waits for the full pass that no longer comes during the call."""
-    import gc
-
     llm = LLM(tiny_models["llama"], num_kv_blocks=256)
     params = [greedy(8, logprobs=2), SamplingParams(temperature=0.8, seed=1, max_tokens=8, n=2), greedy(8)]
     llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)  # first-call caches
