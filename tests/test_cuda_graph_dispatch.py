@@ -11,10 +11,10 @@ from nanoinfer.attention.metadata import AttentionMetadata
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner, batch_size_buckets, mixed_buckets
 
 
-def runner(mixed: bool = True, max_num_batched_tokens: int = 8192, max_num_seqs: int = 4) -> CUDAGraphRunner:
+def runner(max_num_batched_tokens: int = 8192, max_num_seqs: int = 4) -> CUDAGraphRunner:
     return CUDAGraphRunner(torch.nn.Identity(), hidden_size=8, dtype=torch.float32, device=torch.device("cpu"),
                            max_num_seqs=max_num_seqs, max_model_len=2048, block_size=16,
-                           max_num_batched_tokens=max_num_batched_tokens, mixed=mixed)
+                           max_num_batched_tokens=max_num_batched_tokens)
 
 
 def step(q_lens: list[int], context: int = 600) -> AttentionMetadata:
@@ -66,7 +66,7 @@ def test_mixed_steps_beyond_the_sequence_buckets_take_a_large_graph_or_run_eager
     assert small.can_run(step([100] + [1] * 63)) and not small.can_run(step([100] + [1] * 64))
 
 
-def test_no_mixed_graphs_when_turned_off_or_no_bucket_fits():
-    for graphs in (runner(mixed=False), runner(max_num_batched_tokens=8)):
-        assert graphs.mixed_buckets == [] and not graphs.can_run(step([5]))
-        assert graphs.can_run(step([1, 1])) and graphs.input_ids.shape[0] == 4
+def test_no_mixed_graphs_when_no_bucket_fits():
+    graphs = runner(max_num_batched_tokens=8)
+    assert graphs.mixed_buckets == [] and not graphs.can_run(step([5]))
+    assert graphs.can_run(step([1, 1])) and graphs.input_ids.shape[0] == 4

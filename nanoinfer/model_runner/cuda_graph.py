@@ -21,8 +21,9 @@ sequences. The attention kernel maps its programs to sequences from
 `query_start_loc` on the GPU, so one graph serves every split of its tokens into
 sequences: padding tokens belong to no sequence (their tiles leave at once) and
 write no KV (slot -1), and padding sequences are empty. Under tensor parallelism
-all non-decode steps run eagerly (their all-reduces in a graph are untested on
-GPUs)."""
+the graphs hold the steps' all-reduces too (our symmetric-memory kernel up to
+`max_num_seqs` rows, NCCL above): every rank captures the same graphs in the same
+order and replays the same one each step, since they all see the same metadata."""
 
 from __future__ import annotations
 
@@ -61,12 +62,10 @@ def mixed_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[
 
 class CUDAGraphRunner:
     def __init__(self, model: nn.Module, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int,
-                 mixed: bool = True) -> None:
-        """mixed=False: decode graphs only (tensor-parallel ranks, whose mixed-step graphs are not tested)."""
+                 max_num_seqs: int, max_model_len: int, block_size: int, max_num_batched_tokens: int) -> None:
         self.model = model
         self.buckets = batch_size_buckets(max_num_seqs)
-        self.mixed_buckets = mixed_buckets(max_num_batched_tokens, max_num_seqs) if mixed else []
+        self.mixed_buckets = mixed_buckets(max_num_batched_tokens, max_num_seqs)
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
         max_blocks = -(-max_model_len // block_size) + 1
         n = max_num_seqs

@@ -165,7 +165,7 @@ class ModelRunner:
             return
         self.cuda_graphs = CUDAGraphRunner(self.model, self.hf_config.hidden_size, self.dtype, self.device,
                                            self.config.max_num_seqs, max_model_len, self.block_size,
-                                           self.config.max_num_batched_tokens, mixed=tp_world_size() == 1)
+                                           self.config.max_num_batched_tokens)
         self.cuda_graphs.capture()
         self._compile_eager_variants()
 
