@@ -30,7 +30,11 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 class Request:
@@ -105,20 +109,20 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def append_output_token_ids(self, token_ids: list[int]) -> None:
-        self.output_token_ids.extend(token_ids)
-        self.all_token_ids.extend(token_ids)
-        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
-
-    def check_stop(self, max_model_len: int) -> bool:
-        """Set a finished status if the newest token ends the request (stop strings are the detokenizer's job)."""
-        if self.num_output_tokens == 0:
-            return False
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.sampling_params.min_tokens and last in self.stop_token_ids:
+    def append_output_token(self, token_id: int, max_model_len: int) -> bool:
+        """Append one sampled token; if it ends the request, set a finished status and return True (stop strings
+        are the detokenizer's job). Runs once per token of every request, so it keeps to plain attribute work."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        num_tokens, num_output = len(self.all_token_ids), len(self.output_token_ids)
+        if num_tokens % self.block_size == 0:  # it completes a block: hash it for the prefix cache
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+        if token_id in self.stop_token_ids and num_output >= self.sampling_params.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
             # As in vLLM: a stop_token_ids hit is reported, an end-of-sequence token is not.
-            self.stop_reason = last if last in (self.sampling_params.stop_token_ids or ()) else None
-        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.stop_reason = token_id if token_id in (self.sampling_params.stop_token_ids or ()) else None
+        elif num_output >= self.max_tokens or num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
-        return self.status.is_finished
+        else:
+            return False
+        return True

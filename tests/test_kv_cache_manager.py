@@ -86,7 +86,7 @@ def test_request_extends_its_hashes_as_tokens_arrive():
     request = make_request("r", [1, 2, 3, 4, 5, 6], cache_salt="x")
     assert request.block_hashes == hashes([1, 2, 3, 4], "x")
     for token in (7, 8, 9, 10, 11):
-        request.append_output_token_ids([token])
+        request.append_output_token(token, max_model_len=1000)
     assert request.block_hashes == hashes(list(range(1, 12)), "x")
 
 
@@ -173,7 +173,7 @@ def test_failed_allocation_of_a_running_request_keeps_its_blocks():
     kv = KVCacheManager(num_blocks=2, block_size=BS)
     a = make_request("a", list(range(8)))
     run_prefill(kv, a)
-    a.append_output_token_ids([9])
+    a.append_output_token(9, max_model_len=1000)
     before = pool_state(kv)
     assert kv.allocate_slots(a, 1) is None
     assert pool_state(kv) == before

@@ -16,12 +16,13 @@ import torch
 from nanoinfer.attention.backend import get_attention_backend
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
 from nanoinfer.config import EngineConfig
-from nanoinfer.distributed.parallel_state import enable_symmetric_all_reduce, tp_broadcast_from_rank0, tp_rank, tp_world_size
+from nanoinfer.distributed.parallel_state import enable_symmetric_all_reduce, tp_broadcast_from_rank0, tp_rank
 from nanoinfer.host_copy import to_device_many
 from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
+from nanoinfer.model_runner.block_table import BlockTable
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.pooler import Pooler
@@ -78,6 +79,7 @@ class ModelRunner:
         self.model = load_model(model_path, hf_config, load_format, dtype, device, needs_lm_head=self.pooler is None)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_table = BlockTable()
         self.scoring: set[str] = set()  # requests with prompt_logprobs whose prompt is not all computed yet
         self.tokenizer_path = tokenizer_path  # for structured outputs' grammars (`grammar_compiler`)
         self.grammars: GrammarCompiler | None = None
@@ -208,20 +210,22 @@ class ModelRunner:
             self._forget(req_id)
         for new in scheduler_output.new_reqs:
             self._forget(new.req_id)
-            self.requests[new.req_id] = CachedRequestState.from_new(new, self.device)
+            self.requests[new.req_id] = CachedRequestState.from_new(new, self.block_table.add(new.block_ids), self.device)
             if new.sampling_params.prompt_logprobs is not None:
                 self.scoring.add(new.req_id)
         for cached in scheduler_output.cached_reqs:
             state = self.requests[cached.req_id]
             if cached.new_block_ids:
-                state.block_ids = np.concatenate([state.block_ids, np.asarray(cached.new_block_ids, dtype=np.int32)])
+                self.block_table.append(state.table_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _forget(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         self.scoring.discard(req_id)
-        if state is not None and state.penalty_slot is not None:
-            self.penalties.close(state.penalty_slot)
+        if state is not None:
+            self.block_table.free(state.table_row)
+            if state.penalty_slot is not None:
+                self.penalties.close(state.penalty_slot)
         if self.last_sampling is not None and req_id in self.last_sampling[0]:
             self.last_sampling = None  # it holds this state's slot: a request back under its id needs its own
 
@@ -262,9 +266,7 @@ class ModelRunner:
         offsets = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1], counts)
         positions = np.repeat(seq_lens - counts, counts) + offsets
         input_ids = np.array(token_ids, dtype=np.int64)
-        block_tables = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int32)
-        for i, s in enumerate(states):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
+        block_tables = self.block_table.gather(np.fromiter((s.table_row for s in states), np.int64, len(states)))
         row = np.repeat(np.arange(len(states)), counts)
         slot_mapping = block_tables[row, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from nanoinfer.sampling_params import SamplingParams
@@ -19,7 +18,7 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + outputs; the runner appends what it samples
     prompt_len: int
     sampling_params: SamplingParams
-    block_ids: np.ndarray  # int32: copied into the step's block table without a list conversion
+    table_row: int  # its row of the runner's BlockTable
     num_computed_tokens: int
     generator: torch.Generator | None
     # A grammar's matcher, and a bad word of several tokens, read the output on the host, so the newest token must
@@ -41,14 +40,14 @@ class CachedRequestState:
         return self.needs_newest_token or self.generator is not None or below_min_tokens
 
     @classmethod
-    def from_new(cls, new: NewRequestData, device: torch.device) -> "CachedRequestState":
+    def from_new(cls, new: NewRequestData, table_row: int, device: torch.device) -> "CachedRequestState":
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=device)
         p = new.sampling_params
         reads_output = p.structured_outputs is not None or any(len(w) > 1 for w in p.bad_words_token_ids or ())
-        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, p, np.asarray(new.block_ids, dtype=np.int32),
-                   new.num_computed_tokens, generator, reads_output)
+        return cls(new.req_id, list(new.all_token_ids), new.prompt_len, p, table_row, new.num_computed_tokens,
+                   generator, reads_output)
 
     def bad_word_ids(self) -> set[int]:
         """The tokens its bad words ban next: each word's last token where the output ends with the rest of it."""

@@ -169,7 +169,7 @@ class Scheduler:
             out.cached_reqs.append(
                 CachedRequestData(request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens)
             )
-            out.num_scheduled_tokens[request.request_id] = num_new
+            self._count_scheduled(request, num_new, out)
             budget -= num_new
             index += 1
 
@@ -201,22 +201,24 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                 )
             )
-            out.num_scheduled_tokens[request.request_id] = num_new
+            self._count_scheduled(request, num_new, out)
             budget -= num_new
         for request in reversed(not_ready):
             self.waiting.push(request, front=True)
-
-        # Tokens count as computed once scheduled, and a request that reaches its end
-        # gets a placeholder for the token being sampled, so the next step can be
-        # planned (feeding that token straight from the GPU) before this one returns.
-        for request in self.running:
-            num_scheduled = out.num_scheduled_tokens.get(request.request_id, 0)
-            request.num_computed_tokens += num_scheduled
-            num_known_computed = request.num_computed_tokens - len(out.scheduled_spec_tokens.get(request.request_id, ()))
-            if num_scheduled and num_known_computed == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
+
+    @staticmethod
+    def _count_scheduled(request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Tokens count as computed once scheduled, and a request that reaches its end gets a placeholder for
+        the token being sampled, so the next step can be planned (feeding that token straight from the GPU)
+        before this one returns. (A request scheduled this step is never preempted later in it: victims come
+        from the end of the running list, after it.)"""
+        out.num_scheduled_tokens[request.request_id] = num_new
+        request.num_computed_tokens += num_new
+        num_known_computed = request.num_computed_tokens - len(request.spec_token_ids)
+        if num_known_computed == request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, queue at the front."""
@@ -262,8 +264,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_ERROR
                 token_ids, logprobs = [], []
             for i, token_id in enumerate(token_ids):  # a stop among them drops the rest
-                request.append_output_token_ids([token_id])
-                if request.check_stop(self.max_model_len):
+                if request.append_output_token(token_id, self.max_model_len):
                     token_ids, logprobs = token_ids[: i + 1], logprobs[: i + 1]
                     break
             finished = request.status.is_finished
