@@ -122,7 +122,8 @@ class OutputProcessor:
                 if stop_str is not None and child.finish_reason is None:
                     child.finish_reason, child.stop_reason = "stop", stop_str
                     stopped[out.request_id] = "stop"
-            touched[parent_id] = parent
+            if parent.output_kind is not RequestOutputKind.FINAL_ONLY or child.finish_reason is not None:
+                touched[parent_id] = parent  # (a FINAL_ONLY request has nothing to say until a child ends)
         return embeddings + [self._make_output(p) for p in touched.values()
                              if p.output_kind is not RequestOutputKind.FINAL_ONLY or p.finished], stopped
 
