@@ -58,27 +58,31 @@ class KVCacheManager:
         the pool cannot supply them; the scheduler then preempts and retries."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
-        # Hit blocks that are free leave the queue too, so they use up free space. (The no-op calls are
-        # skipped: a decode step runs this for every request, and most need no new block.)
-        num_reviving = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if new_computed_blocks else 0
-        if num_new_blocks + num_reviving > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
-        if self.enable_caching and request.num_computed_tokens == 0:
-            # Admission (first or after preemption): count the lookup once it succeeded.
-            self.prefix_queries += request.num_tokens
-            self.prefix_hits += num_new_computed_tokens
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        blocks.extend(new_blocks)
+        end = num_computed + num_new_tokens
+        num_new_blocks = cdiv(end, self.block_size) - len(blocks) - len(new_computed_blocks)
+        new_blocks: list[KVCacheBlock] = []
+        # A decode step runs this for every request, and most have room in their last block: they skip to the
+        # caching below.
+        if num_new_blocks > 0 or new_computed_blocks or request.num_computed_tokens == 0:
+            num_new_blocks = max(0, num_new_blocks)
+            # Hit blocks that are free leave the queue too, so they use up free space.
+            num_reviving = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+            if num_new_blocks + num_reviving > self.pool.num_free_blocks:
+                if not blocks:
+                    del self.req_to_blocks[request.request_id]
+                return None
+            if self.enable_caching and request.num_computed_tokens == 0:
+                # Admission (first or after preemption): count the lookup once it succeeded.
+                self.prefix_queries += request.num_tokens
+                self.prefix_hits += num_new_computed_tokens
+            if new_computed_blocks:
+                self.pool.touch(new_computed_blocks)
+                blocks.extend(new_computed_blocks)
+            new_blocks = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
         if self.enable_caching:
             # Blocks whose tokens are all known and will be computed this step.
-            num_full = min((num_computed + num_new_tokens) // self.block_size, len(request.block_hashes))
+            num_full = min(end // self.block_size, len(request.block_hashes))
             start = self.num_cached_blocks.get(request.request_id, 0)
             if num_full > start:
                 self.pool.cache_full_blocks(blocks, request.block_hashes, start, num_full)

@@ -235,23 +235,21 @@ class ModelRunner:
         spec = scheduler_output.scheduled_spec_tokens
         # One pass in plain Python ints (cheaper than numpy scalars at a few hundred requests).
         token_ids: list[int] = []
-        starts: list[int] = []
+        starts = [s.num_computed_tokens for s in states]
         pending: list[tuple[int, int]] = []  # (input row, row in the previous step's sampled tensor)
+        prev_rows = self.prev_rows
         sample_rows: list[int] = []  # requests whose known (or in-flight) tokens are now all computed
         sampled_drafts: list = []  # per sampled request: the draft tokens after its known ones (speculative decoding)
-        all_decoding = True  # every request computes only its newest token (and drafts): no prefill in the step
-        for i, (s, n) in enumerate(zip(states, counts_list)):
-            begin, end, known = s.num_computed_tokens, s.num_computed_tokens + n, len(s.token_ids)
+        for i, (s, begin, n) in enumerate(zip(states, starts, counts_list)):
+            end, known = begin + n, len(s.token_ids)
             drafts = spec.get(s.req_id, ()) if spec else ()
-            all_decoding = all_decoding and n == 1 + len(drafts)
-            starts.append(begin)
             if drafts:  # scheduled synchronously: its known tokens are all on the host
                 token_ids.extend(s.token_ids[begin:known])
                 token_ids.extend(drafts)
             elif end > known:  # its newest token is still on the device (async scheduling)
                 token_ids.extend(s.token_ids[begin:known])
                 token_ids.append(0)
-                pending.append((len(token_ids) - 1, self.prev_rows[s.req_id]))
+                pending.append((len(token_ids) - 1, prev_rows[s.req_id]))
             else:
                 token_ids.extend(s.token_ids[begin:end])
             if end >= known:
@@ -280,7 +278,8 @@ class ModelRunner:
         # are written before attention reads): the decode kernel splits a long context over many programs,
         # where the prefill kernel would give a request's few query tokens only a few (bench/NOTES.md).
         attn_qsl, attn_seq_lens, attn_tables = query_start_loc, seq_lens, block_tables
-        if spec and all_decoding and len(token_ids) <= self.config.max_num_seqs:
+        all_decoding = spec and all(n == 1 + len(spec.get(s.req_id, ())) for s, n in zip(states, counts_list))
+        if all_decoding and len(token_ids) <= self.config.max_num_seqs:  # no prefill in the step
             attn_qsl, attn_seq_lens, attn_tables = np.arange(len(token_ids) + 1), positions + 1, block_tables[row]
         max_query_len = int(np.diff(attn_qsl).max())
         decode_only = max_query_len == 1
