@@ -409,7 +409,6 @@ def test_full_collections_wait_while_a_call_runs_and_come_back_after(tiny_models
 
 
 def test_overlapping_calls_restore_the_thresholds_once_the_last_ends():
-
     before = gc.get_threshold()
     outer = defer_full_collections()
     outer.__enter__()

@@ -62,7 +62,7 @@ class KVCacheManager:
         num_new_blocks = cdiv(end, self.block_size) - len(blocks) - len(new_computed_blocks)
         new_blocks: list[KVCacheBlock] = []
         # A decode step runs this for every request, and most have room in their last block: they skip to the
-        # caching below.
+        # caching below. Admission (nothing computed yet) always takes this path, for its prefix statistics.
         if num_new_blocks > 0 or new_computed_blocks or request.num_computed_tokens == 0:
             num_new_blocks = max(0, num_new_blocks)
             # Hit blocks that are free leave the queue too, so they use up free space.

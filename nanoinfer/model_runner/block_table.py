@@ -40,9 +40,6 @@ class BlockTable:
     def free(self, row: int) -> None:
         self.free_rows.append(row)
 
-    def block_ids(self, row: int) -> np.ndarray:
-        return self.table[row, : self.num_blocks[row]]
-
     def gather(self, rows: np.ndarray) -> np.ndarray:
         """The block tables of `rows`, in that order, as wide as the longest. Shorter rows end in stale ids of
         earlier requests: valid block ids, read by nothing past a sequence's length."""
