@@ -24,7 +24,7 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary: the ids are distinc
 # Nesting of a structured-output JSON schema (objects and lists): xgrammar's compile time grows steeply with it
 # (64 levels: 0.06 s; 300: 5 s), and real schemas stay far below.
 MAX_SCHEMA_DEPTH = 64
-# torch.Generator.manual_seed accepts exactly this range.
+# The 64-bit integers: what torch.Generator.manual_seed accepts, and what the server's wire format (msgpack) carries.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -42,6 +42,8 @@ def _check_int(name: str, value: object) -> int:
     # bool is an int subclass; True is never a meaningful count.
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not _SEED_MIN <= value <= _SEED_MAX:
+        raise ValueError(f"{name} must fit in 64 bits, in [{_SEED_MIN}, {_SEED_MAX}], got a {value.bit_length()}-bit int")
     return value
 
 
@@ -191,8 +193,8 @@ class SamplingParams:
         self.min_p = _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not _SEED_MIN <= _check_int("seed", self.seed) <= _SEED_MAX:
-            raise ValueError(f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:

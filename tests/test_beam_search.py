@@ -100,9 +100,16 @@ def test_bad_beam_search_params_are_clear_errors(llm):
         llm.beam_search([[10**6]], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
+@pytest.mark.parametrize("length_penalty", [2000.0, -2000.0, 1e308])
+def test_extreme_length_penalties_rank_without_overflow(llm, length_penalty):
+    """length ** length_penalty overflows a float here: the beams are still ranked (in log space)."""
+    out = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=length_penalty))
+    assert [len(o.sequences) for o in out] == [2] * len(PROMPTS)
+
+
 @settings(max_examples=200, deadline=None)
 @given(width=st.integers(1, 4), steps=st.integers(1, 5), eos=st.sets(st.integers(0, 9), max_size=2),
-       length_penalty=st.sampled_from([0.0, 0.5, 1.0, 2.0]), seed=st.integers(0, 2**16))
+       length_penalty=st.sampled_from([0.0, 0.5, 1.0, 2.0, -1.5, 300.0, -300.0]), seed=st.integers(0, 2**16))
 def test_beam_search_state_keeps_its_invariants(width, steps, eos, length_penalty, seed):
     """Whatever each step's candidates: at most `width` live beams, each extending a beam of the step before by
     one token; completed beams end with an end-of-sequence token; the result is the `width` best by score, best

@@ -422,6 +422,10 @@ def test_beam_search_matches_offline(client, offline):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
     response = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "length_penalty": 2.0}, headers=AUTH)
     assert response.status_code == 400 and response.json()["error"]["param"] == "length_penalty"
+    for length_penalty in (2000, -2000):  # length ** length_penalty would overflow a float: ranked in log space
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "use_beam_search": True,
+                "length_penalty": length_penalty}
+        assert httpx.post(f"{client.base_url}completions", json=body, headers=AUTH).status_code == 200
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, offline):
@@ -704,6 +708,10 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 8}, 400, "max_tokens"),  # unset: the rest of the context
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, 400, "top_k"),  # past 64 bits: named, as every int
+    ("/v1/chat/completions", {"messages": CHAT, "min_tokens": 2**70}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "model": "nope"}, 404, "model"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),

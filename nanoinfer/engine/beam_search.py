@@ -106,8 +106,15 @@ class BeamSearch:
         return best
 
     def _score(self, beam: BeamSearchSequence) -> float:
+        """A key that orders beams as vLLM's score, cum_logprob / length ** length_penalty, does. It is taken in
+        log space: the power overflows a float for a length_penalty of a few hundred (the score is <= 0, so the
+        key is -log(-score))."""
+        if beam.cum_logprob >= 0:  # a sure sequence: the best score, 0
+            return math.inf
+        if beam.cum_logprob == -math.inf:  # an impossible one: the worst
+            return -math.inf
         length = len(beam.tokens) - (beam.tokens[-1] in self.eos_token_ids)
-        return beam.cum_logprob / length ** self.params.length_penalty
+        return self.params.length_penalty * math.log(length) - math.log(-beam.cum_logprob)
 
 
 def live_beams(searches: list[BeamSearch]) -> list[tuple[BeamSearch, BeamSearchSequence]]:

@@ -395,6 +395,7 @@ class OpenAIServing:
         (so a streaming request gets them as one chunk each). None if the client went away meanwhile."""
         if not self.accepting:
             raise ApiError(503, "the server is shutting down")
+        req.check_stream_options()
         try:  # the bounds a request's sampling would meet: the context, and the server's output tokens
             prompts = await self._tokenizing(raw, lambda: [self.client.input_processor.tokenize(p)
                                                            for p in make_prompts()])
