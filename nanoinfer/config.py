@@ -67,7 +67,8 @@ class EngineConfig:
     attention_backend: str = _arg("auto", "attention implementation (auto: triton on GPU, torch on CPU)", ("auto", "torch", "triton"))
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel ranks")
-    max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503)")
+    max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503), "
+                                             "generate() of more at once is refused")
     generation_config: str = _arg("auto", "default sampling parameters of requests that leave them unset: auto takes temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens from the model folder's generation_config.json (as vLLM does); vllm ignores it; or a folder with a generation_config.json")
     runner: str = _arg("generate", "what the model does: generate text, or pool its hidden states into embeddings (LLM.embed, /v1/embeddings)", ("generate", "pooling"))
     max_logprobs: int = _arg(20, "most logprobs a request may ask for (logprobs, prompt_logprobs; beam search asks for 2 x its width), as vLLM's; -1: up to the vocabulary")

@@ -73,6 +73,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None  # per token: {token_id: Logprob} for the sampled + top-n
     finish_reason: str | None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # vLLM's: the sampled tokens' logprobs summed (with `logprobs` only)
 
 
 @dataclass

@@ -77,11 +77,36 @@ def test_max_model_len_beyond_model(tiny_models) -> None:
     ([1] * 120, SamplingParams(max_tokens=20), ValueError, r"exceeds max_model_len \(128\)"),
     ([1] * 128, SamplingParams(max_tokens=None), ValueError, "at most 127"),
     ("hello", SamplingParams(), ValueError, "no tokenizer"),
+    ([1, 2], SamplingParams(stop=["x"]), ValueError, "stop strings need a tokenizer"),  # not silently ignored
     ([1, 2], SamplingParams(logit_bias={9999: 1.0}), ValueError, "logit_bias entry 9999 is outside the vocabulary"),
 ])
 def test_bad_requests_rejected(llm: LLM, prompt, params, error, match) -> None:
     with pytest.raises(error, match=match):
         llm.generate([prompt], params, use_tqdm=False)
+
+
+def test_text_and_whole_searches_are_checked_before_anything_runs(llm: LLM) -> None:
+    """A stream yields text, which a model without a tokenizer has none of; a beam search whose longest beams
+    would pass max_model_len is refused in the caller's terms before its first step."""
+    from nanoinfer import BeamSearchParams
+
+    with pytest.raises(ValueError, match="stream\\(\\) yields text, which needs a tokenizer"):
+        llm.stream([1, 2], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompt \(120 tokens\) \+ max_tokens \(10\) = 130 exceeds max_model_len"):
+        llm.beam_search([[1] * 120], BeamSearchParams(beam_width=2, max_tokens=10))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_call_max_num_waiting_could_never_queue_is_refused_whole(tiny_models) -> None:
+    """generate() adds all its requests before running them: more than max_num_waiting (n counted) is a clear
+    error, not the full queue's retry-later OverflowError that waiting could never cure."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=16, max_num_waiting=2)
+    with pytest.raises(ValueError, match=r"needs 3 places in the waiting queue"):
+        llm.generate([[1, 2], [3, 4], [5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"needs 4 places in the waiting queue"):
+        llm.generate([[1, 2], [3, 4]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    assert len(llm.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)) == 2
+    assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -39,7 +39,8 @@ def stream_tokens(detok, token_ids, chunk=1):
     """Feed tokens like the engine does; return (stop string, streamed deltas)."""
     deltas = []
     for start in range(0, len(token_ids), chunk):
-        stop = detok.update(token_ids[start : start + chunk])
+        match = detok.update(token_ids[start : start + chunk])
+        stop = None if match is None else match[0]
         deltas.append(detok.get_next_output_text(finished=stop is not None, delta=True))
         if stop is not None:
             return stop, deltas
@@ -111,12 +112,15 @@ def test_stop_string_spanning_tokens(tokenizer):
 
 
 def test_earliest_stop_wins(tokenizer):
+    """Tokens given at once (a step of drafts): the stop string of the first token to complete one, the earliest
+    in the text (at the same place the first in the list, as vLLM picks), and how many tokens the output keeps."""
     output_ids = encode(tokenizer, "one two three four five")
-    cases = [(["four", "two"], "two", "one "), (["three", "thr"], "thr", "one two "), (["o t", "ne t"], "ne t", "o")]
+    cases = [(["four", "two"], "two", "one "), (["three", "thr"], "three", "one two "), (["o t", "ne t"], "ne t", "o")]
     for stops, matched, expected in cases:
         detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=stops))
-        assert detok.update(output_ids) == matched  # all at once: every stop is complete
-        assert detok.output_text == expected
+        stop, kept = detok.update(output_ids)
+        assert stop == matched and detok.output_text == expected
+        assert matched in tokenizer.decode(output_ids[:kept]) and matched not in tokenizer.decode(output_ids[:kept - 1])
 
 
 def test_stop_not_honoured_before_min_tokens(tokenizer):

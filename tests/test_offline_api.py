@@ -69,6 +69,49 @@ def test_a_stream_closed_early_gives_its_blocks_back(llm):
     assert_no_leak(llm)
 
 
+def test_a_stream_the_collector_finalizes_inside_a_step_is_aborted_after_it(llm, monkeypatch):
+    """An open stream left in a reference cycle is closed by whichever collection finds it, maybe one that starts
+    inside a step: its abort waits for the step's end (it used to change the step's requests under it, and the
+    engine died)."""
+    expected = [alone(llm, p, greedy(8)) for p in PROMPTS[1:]]
+    stream = llm.stream(PROMPTS[0], greedy(50))
+    next(stream)
+    cycle = [stream, None]
+    cycle[1] = cycle
+    del stream, cycle
+    kv_cache_manager = llm.engine.core.scheduler.kv_cache_manager
+    allocate_slots = kv_cache_manager.allocate_slots
+
+    def collect_then_allocate(*args, **kwargs):
+        gc.collect()  # a collection in the middle of scheduling a step
+        return allocate_slots(*args, **kwargs)
+
+    monkeypatch.setattr(kv_cache_manager, "allocate_slots", collect_then_allocate)
+    assert [o.outputs[0].text for o in llm.generate(PROMPTS[1:], greedy(8), use_tqdm=False)] == expected
+    assert_no_leak(llm)
+
+
+def test_a_stop_string_completed_by_the_last_token_is_the_finish_reason(llm):
+    """As vLLM's: the stop string decides finish_reason and stop_reason, even on the token that also reached
+    max_tokens."""
+    full = llm.generate(["Hello there"], greedy(8), use_tqdm=False)[0].outputs[0]
+    before = llm.tokenizer.decode(full.token_ids[:-1])
+    stop = next(full.text[i:i + 3] for i in range(len(before), len(full.text) - 2)
+                if full.text[i:i + 3].strip() == full.text[i:i + 3])
+    assert stop not in before  # only the last token completes it
+    out = llm.generate(["Hello there"], greedy(8, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
+        full.token_ids, full.text[:full.text.index(stop)], "stop", stop)
+
+
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs(llm):
+    """vLLM's CompletionOutput.cumulative_logprob: with logprobs, the sampled tokens' logprobs summed."""
+    out = llm.generate([PROMPTS[0]], greedy(6, logprobs=1), use_tqdm=False)[0].outputs[0]
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
+    assert out.cumulative_logprob < 0
+    assert llm.generate([PROMPTS[0]], greedy(6), use_tqdm=False)[0].outputs[0].cumulative_logprob is None
+
+
 def test_stream_takes_one_completion(llm):
     with pytest.raises(ValueError, match="n must be 1"):
         llm.stream(PROMPTS[0], SamplingParams(n=2))
@@ -228,8 +271,8 @@ def test_an_id_reused_after_an_abort_gets_only_its_own_tokens(tiny_models):
 # ----- a failed step, a closed engine -----
 
 
-def test_a_failed_step_leaves_a_dead_engine_not_a_hang(tiny_models, monkeypatch):
-    llm = LLM(tiny_models["llama"], num_kv_blocks=64)
+def test_a_failed_step_leaves_a_dead_engine_not_a_hang(tmp_path_factory, smollm2_path, monkeypatch):
+    llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, num_kv_blocks=64)
     runner = llm.engine.core.runner
     calls = itertools.count()
     execute = runner.execute_model
@@ -285,6 +328,11 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     longest = llm.generate(list(range(1, limit + 40)), SamplingParams(temperature=0, max_tokens=1,
                                                                        truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert len(longest.prompt_token_ids) == limit - 1
+    # Text past the length any context could hold is tokenized whole when it is to be cut (a long document).
+    document = "x" * llm.engine.input_processor.max_prompt_chars + " the end"
+    cut = llm.generate(document, SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),
+                       use_tqdm=False)[0]
+    assert len(cut.prompt_token_ids) == limit - 1 and cut.prompt.endswith(" the end")
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1"):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="more than max_model_len"):

@@ -147,6 +147,25 @@ def test_smollm2_output_is_unchanged_by_drafts(smol_pair, params):
     assert spec.engine.core.scheduler.kv_cache_manager.num_free_blocks == spec.engine.core.num_blocks
 
 
+@pytest.mark.parametrize("stop, min_tokens, kept", [(" ab ab", 0, 2), (" ab", 5, 6)])
+def test_a_stop_string_inside_a_step_of_drafts_ends_the_output_there(tmp_path_factory, smollm2_path, stop,
+                                                                    min_tokens, kept):
+    """Every token is " ab" (allowed_token_ids), so every draft is kept and a step brings up to five tokens: the
+    output still ends at the token that completed the stop string, logprobs included, as without drafts."""
+    from test_server import tiny_model_with_smollm2_vocab
+
+    model = tiny_model_with_smollm2_vocab(tmp_path_factory)
+    for extra in ({}, {"speculative_config": SPEC}):
+        llm = LLM(model, tokenizer=smollm2_path, num_kv_blocks=64, **extra)
+        ab = llm.get_tokenizer().encode(" ab", add_special_tokens=False)[0]
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[ab], stop=[stop],
+                                min_tokens=min_tokens, logprobs=0)
+        out = llm.generate([[ab] * 12], params, use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, len(out.logprobs), out.finish_reason, out.stop_reason) == (
+            [ab] * kept, kept, "stop", stop)
+    assert llm.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 def test_drafts_are_not_proposed_where_the_host_decides_each_token(smol_pair):
     """Penalties (device-side counts) and grammars (a matcher per token) sample their rows one position at a
     time: such requests decode without drafts beside ones that use them, with the same output."""

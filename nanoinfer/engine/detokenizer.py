@@ -49,25 +49,28 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._streamed_offset = 0
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
-        """Append new tokens; return the stop string they completed, if any.
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> tuple[str, int] | None:
+        """Append new tokens; if one completes a stop string, return it and how many of the new tokens the
+        output keeps (up to that one: a step of drafts may bring tokens past it, which the output never had).
 
         `stop_terminated`: the last token is an eos / stop token id; as in
         vLLM its text is left out unless include_stop_str_in_output.
         """
-        self.num_output_tokens += len(new_token_ids)
-        if stop_terminated and not self.include_stop_str_in_output:
-            new_token_ids = new_token_ids[:-1]
-        checked_length = len(self.output_text)
-        # Token by token, so text completed by early tokens is not held back
-        # behind an incomplete character at the end of the batch.
-        for token_id in new_token_ids:
+        decoded = new_token_ids[:-1] if stop_terminated and not self.include_stop_str_in_output else new_token_ids
+        # Token by token, so text completed by early tokens is not held back behind an incomplete character at
+        # the end of the batch, and a stop string is found at the token that completed it.
+        for kept, token_id in enumerate(decoded, 1):
+            checked_length = len(self.output_text)
+            self.num_output_tokens += 1
             self.token_ids.append(token_id)
             self.output_text += self._decode_new_text()
-        # vLLM only honours stop strings once min_tokens tokens are out.
-        if not self.stop or self.num_output_tokens <= self.min_tokens:
-            return None
-        return self._truncate_at_stop(checked_length)
+            # vLLM only honours stop strings once min_tokens tokens are out.
+            if self.stop and self.num_output_tokens > self.min_tokens:
+                stop = self._truncate_at_stop(checked_length)
+                if stop is not None:
+                    return stop, kept
+        self.num_output_tokens += len(new_token_ids) - len(decoded)
+        return None
 
     def _decode_new_text(self) -> str:
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
@@ -78,17 +81,18 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text) :]
 
     def _truncate_at_stop(self, checked_length: int) -> str | None:
-        """Find the earliest stop string ending past `checked_length` and cut the text there."""
+        """Find the earliest stop string ending past `checked_length` (at the same place, the first in the
+        list, as vLLM picks) and cut the text there."""
         match: tuple[int, int, str] | None = None
-        for stop in self.stop:
+        for order, stop in enumerate(self.stop):
             # Text up to checked_length held no stop string, so a match must end after it.
             index = self.output_text.find(stop, max(0, checked_length - len(stop) + 1))
-            if index != -1 and (match is None or (index, len(stop)) < match[:2]):
-                match = (index, len(stop), stop)
+            if index != -1 and (match is None or index < match[0]):
+                match = (index, order, stop)
         if match is None:
             return None
-        index, length, stop = match
-        self.output_text = self.output_text[: index + length if self.include_stop_str_in_output else index]
+        index, _, stop = match
+        self.output_text = self.output_text[: index + len(stop) if self.include_stop_str_in_output else index]
         return stop
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

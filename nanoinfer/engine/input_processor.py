@@ -142,13 +142,17 @@ class InputProcessor:
         except Exception as e:  # jinja and transformers raise many types for a conversation they reject
             raise ValueError(f"the chat template rejected the messages: {e}") from None
 
-    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, truncated: bool = False
+                 ) -> list[int]:
+        """`truncated`: only the prompt's last tokens are kept (truncate_prompt_tokens), so text of any length
+        may come."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids, or give tokenizer=PATH")
-            self.check_prompt_chars(len(prompt))
+            if not truncated:
+                self.check_prompt_chars(len(prompt))
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
@@ -191,9 +195,9 @@ class InputProcessor:
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         if not pooling:
             params = self._check_sampling(params)
-        token_ids = self.tokenize(prompt)
-        text = prompt if isinstance(prompt, str) else None
         keep = params.truncate_prompt_tokens
+        token_ids = self.tokenize(prompt, truncated=keep is not None)
+        text = prompt if isinstance(prompt, str) else None
         if keep is not None:
             if keep > self.limits.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
@@ -218,6 +222,9 @@ class InputProcessor:
 
     def _check_sampling(self, params: SamplingParams) -> SamplingParams:
         """Token ids the vocabulary must hold, grammars that must compile; bad words spelled as token ids."""
+        if params.stop and self.tokenizer is None:  # stop strings are found in the detokenized text
+            raise ValueError("stop strings need a tokenizer: this model has none (give tokenizer=PATH, or use "
+                             "stop_token_ids)")
         if params.bad_words:
             params = dataclasses.replace(params, bad_words_token_ids=(params.bad_words_token_ids or [])
                                          + self._bad_words_token_ids(params.bad_words))

@@ -3,6 +3,7 @@ with runner="pooling"."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import time
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,15 @@ from nanoinfer.sampling_params import SamplingParams
 Prompt = str | list[int] | dict
 Message = dict[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_collecting = False  # a garbage collection is running: finalizers run, wherever the code that allocated was
+
+
+def _track_collections(phase: str, info: dict) -> None:
+    global _collecting
+    _collecting = phase == "start"
+
+
+gc.callbacks.append(_track_collections)
 
 
 def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
@@ -90,6 +100,7 @@ class LLM:
         # (a generate, or an open stream) finds its outputs here wherever they were stepped.
         self._inbox: dict[str, list[RequestOutput]] = {}
         self._ready: set[str] = set()  # the requests whose inbox entry holds outputs
+        self._abandoned: list[str] = []  # streams the collector finalized: aborted before the next step
 
     def close(self) -> None:
         """Stop tensor-parallel workers now (otherwise done at garbage collection or exit)."""
@@ -98,6 +109,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's name), so that the same prompts prefill again, as a
         benchmark's repeat needs. Possible only while no request holds blocks: returns whether it was done."""
+        self._forget_abandoned()
         return self.engine.core.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def __enter__(self) -> "LLM":
@@ -152,8 +164,10 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         params.check_width(engine.limits.max_logprobs)
-        searches = [BeamSearch(engine.input_processor.tokenize(_unpack_prompt(p)[0]), params,
-                               engine.limits.eos_token_ids) for p in _prompt_list(prompts)]
+        prompts = [engine.input_processor.tokenize(_unpack_prompt(p)[0]) for p in _prompt_list(prompts)]
+        for ids in prompts:  # the longest beams' last step must fit too: checked before any step runs
+            engine.input_processor.check_length(len(ids), params.max_tokens)
+        searches = [BeamSearch(ids, params, engine.limits.eos_token_ids) for ids in prompts]
         bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm, dynamic_ncols=True)
         while beams := live_beams(searches):
             advance_all(beams, self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams],
@@ -177,6 +191,8 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if not len(params) == len(priority) == len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} params and {len(priority)} priorities")
+        # All are added before any runs: a call that max_num_waiting could never queue is refused as a whole.
+        self.engine.limits.check_waiting_room(0, sum(p.n if isinstance(p, SamplingParams) else 1 for p in params))
         ids = [str(next(self._ids)) for _ in prompts]
         with defer_full_collections():
             try:
@@ -210,6 +226,7 @@ class LLM:
         while unfinished:
             ready = self._ready & unfinished
             if not ready:
+                self._forget_abandoned()
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"requests {sorted(unfinished)} were aborted outside this call")
                 for out in self.engine.step():
@@ -232,6 +249,12 @@ class LLM:
             self.engine.abort_request(request_id)
             self._inbox.pop(request_id, None)
             self._ready.discard(request_id)
+
+    def _forget_abandoned(self) -> None:
+        """Abort the streams the garbage collector finalized. A collection can start inside a step (at any
+        allocation), and an abort there would change the step's requests under it, so it waits until here."""
+        while self._abandoned:
+            self._forget([self._abandoned.pop()])
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -266,6 +289,9 @@ class LLM:
             raise ValueError("stream() yields generated text; embeddings come from embed()")
         if isinstance(sampling_params, SamplingParams) and not sampling_params.detokenize:
             raise ValueError("stream() yields text, which detokenize=False leaves out; generate() returns the token ids")
+        if self.tokenizer is None and self.engine.config.runner != "pooling":  # (pooling: refused below)
+            raise ValueError("stream() yields text, which needs a tokenizer: this model has none (give "
+                             "tokenizer=PATH); generate() returns the token ids")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()  # a pooling engine refuses it: no text to stream
         return self._stream(str(next(self._ids)), prompt, sampling_params)
@@ -280,4 +306,7 @@ class LLM:
                 if out.outputs[0].text:
                     yield out.outputs[0].text
         finally:
-            self._forget([request_id])
+            if _collecting:  # closed by the collector, perhaps in the middle of a step: aborted between steps
+                self._abandoned.append(request_id)
+            else:
+                self._forget([request_id])

@@ -26,6 +26,7 @@ class ChildState:
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0  # of the sampled tokens, with logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent: int = 0  # tokens already in an output (DELTA)
@@ -107,21 +108,26 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None if lp is None else self._logprobs(lp, child.decode)
                                           for lp in out.prompt_logprobs]
-            child.token_ids.extend(out.new_token_ids)
-            if child.logprobs is not None:
-                child.logprobs.extend(self._logprobs(lp, child.decode) for lp in out.new_logprobs if lp is not None)
+            new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             if child.detokenizer is not None:
                 try:
-                    stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated=out.finish_reason == "stop")
+                    stop = child.detokenizer.update(new_token_ids, stop_terminated=out.finish_reason == "stop")
                 except Exception:  # fail this request only, never the batch
                     logger.exception("detokenizing %s failed: it ends with finish_reason 'error'", out.request_id)
-                    child.finish_reason, child.stop_reason, stop_str = "error", None, None
+                    child.finish_reason, child.stop_reason, stop = "error", None, None
                     if out.finish_reason is None:
                         stopped[out.request_id] = "error"
-                if stop_str is not None and child.finish_reason is None:
-                    child.finish_reason, child.stop_reason = "stop", stop_str
-                    stopped[out.request_id] = "stop"
+                if stop is not None:  # as vLLM: a stop string is the reason, even where the core ended it too
+                    (child.stop_reason, kept), child.finish_reason = stop, "stop"
+                    new_token_ids, new_logprobs = new_token_ids[:kept], new_logprobs[:kept]
+                    if out.finish_reason is None:
+                        stopped[out.request_id] = "stop"
+            child.token_ids.extend(new_token_ids)
+            if child.logprobs is not None:
+                sampled = [lp for lp in new_logprobs if lp is not None]
+                child.logprobs.extend(self._logprobs(lp, child.decode) for lp in sampled)
+                child.cumulative_logprob += sum(lp.logprob for lp in sampled)
             if parent.output_kind is not RequestOutputKind.FINAL_ONLY or child.finish_reason is not None:
                 touched[parent_id] = parent  # (a FINAL_ONLY request has nothing to say until a child ends)
         return embeddings + [self._make_output(p) for p in touched.values()
@@ -173,7 +179,8 @@ class OutputProcessor:
             start = child.num_sent if delta else 0
             logprobs = child.logprobs[start:] if child.logprobs is not None else None
             completions.append(CompletionOutput(child.index, text, child.token_ids[start:], logprobs,
-                                                child.finish_reason, child.stop_reason))
+                                                child.finish_reason, child.stop_reason,
+                                                None if child.logprobs is None else child.cumulative_logprob))
             child.num_sent = len(child.token_ids)
         finished = parent.finished
         if finished:
