@@ -390,6 +390,10 @@ def test_generate_takes_a_priority_per_prompt(tiny_models) -> None:
     with pytest.raises(ValueError, match="got 3 prompts but 3 params and 2 priorities"):
         llm.generate(prompts, use_tqdm=False, priority=[0, 1])
     assert_no_leak(llm)
+    fcfs = LLM(tiny_models["qwen3"], max_num_seqs=1, device="cpu")  # as vLLM's: a priority would do nothing here
+    with pytest.raises(ValueError, match="priority 2 needs scheduling_policy='priority'"):
+        fcfs.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, priority=[2, 0, 1])
+    assert_no_leak(fcfs)
 
 
 def test_chat_continues_the_final_message(llm) -> None:

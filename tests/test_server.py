@@ -158,6 +158,9 @@ def test_health_models_version(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny", "other-name"]
+    for name in ("other-name", None):  # a response names the model its request gave (vLLM's), else the first
+        body = {"prompt": "hi", "max_tokens": 1} | ({"model": name} if name else {})
+        assert httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH).json()["model"] == (name or "tiny")
     version = httpx.get(f"{server.url}/version", headers=AUTH).json()
     import nanoinfer
 
@@ -179,6 +182,10 @@ def test_tokenize_detokenize(server, offline):
     messages = [{"role": "user", "content": "hi"}]
     chat = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"messages": messages}).json()
     assert chat["tokens"] == offline.apply_chat_template(messages)
+    started = messages + [{"role": "assistant", "content": "Hello"}]
+    body = {"messages": started, "add_generation_prompt": False, "continue_final_message": True}
+    cont = httpx.post(f"{server.url}/tokenize", headers=AUTH, json=body).json()
+    assert cont["tokens"] == offline.apply_chat_template(started, False, continue_final_message=True)
 
 
 # ----- generation -----
@@ -236,8 +243,10 @@ def test_prompt_forms_and_echo(client, offline):
     assert many.usage.prompt_tokens == len(ids) + 3 and many.usage.completion_tokens == 8
     texts = client.completions.create(prompt=["Hello world", "Bye"], n=2, **params)
     assert [c.index for c in texts.choices] == [0, 1, 2, 3]
-    salted = dict(params, extra_body={"ignore_eos": True, "cache_salt": "tenant-1", "priority": 3})
+    salted = dict(params, extra_body={"ignore_eos": True, "cache_salt": "tenant-1"})
     assert client.completions.create(prompt="Hello world", **salted).choices[0].text == by_text
+    with pytest.raises(openai.BadRequestError, match="needs scheduling_policy='priority'"):  # as vLLM's
+        client.completions.create(prompt="Hello world", **dict(params, extra_body={"priority": 3}))
     echoed = client.completions.create(prompt="Hello world", echo=True, **params).choices[0].text
     assert echoed == "Hello world" + by_text
     stream = client.completions.create(prompt=["Hello world", "Bye"], echo=True, stream=True, **params)

@@ -151,7 +151,8 @@ class EngineCore:
         vocab_size = self.source.hf_config.vocab_size
         max_logprobs = vocab_size if self.config.max_logprobs == -1 else min(self.config.max_logprobs, vocab_size)
         return EngineLimits(self.max_model_len, self.max_tokens_per_request, self.config.block_size, vocab_size,
-                            set(self.source.eos_token_ids), max_logprobs, self.config.max_num_waiting)
+                            set(self.source.eos_token_ids), max_logprobs, self.config.max_num_waiting,
+                            self.config.scheduling_policy == "priority")
 
     @property
     def max_tokens_per_request(self) -> int:

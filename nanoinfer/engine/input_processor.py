@@ -76,6 +76,7 @@ class EngineLimits:
     eos_token_ids: set[int]
     max_logprobs: int  # the engine's, resolved: never more than the vocabulary
     max_num_waiting: int | None = None
+    priority_scheduling: bool = False  # scheduling_policy="priority": a request's priority orders the queue
 
     def check_waiting_room(self, num_waiting: int, num_new: int) -> None:
         """The bounded waiting queue: refuse (OverflowError; the server answers 503) when full, and a request
@@ -191,6 +192,9 @@ class InputProcessor:
             raise TypeError(f"priority must be an integer, got {priority!r}")
         if not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must fit in 64 bits, got {priority}")
+        if priority and not self.limits.priority_scheduling:  # as vLLM: a priority that would do nothing is an error
+            raise ValueError(f"priority {priority} needs scheduling_policy='priority' (the server's --scheduling-policy "
+                             f"priority); this engine runs requests first come, first served")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         if not pooling:

@@ -34,7 +34,7 @@ class PoolingServing:
                                    {"prompt": "input" if req.messages is None else "messages"}, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(self._pooled_base(request_id, outputs) | {
+        return JSONResponse(self._pooled_base(request_id, req.model, outputs) | {
             "object": "list", "data": [{"object": "embedding", "index": i,
                                         "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
                                        for i, o in enumerate(outputs)]})
@@ -53,7 +53,7 @@ class PoolingServing:
             return Response(status_code=499)
         vectors = [o.outputs.embedding for o in outputs]
         scores = pair_scores(vectors[: len(side_1)], vectors[len(side_1):])
-        return JSONResponse(self._pooled_base(request_id, outputs) | {
+        return JSONResponse(self._pooled_base(request_id, req.model, outputs) | {
             "object": "list",
             "data": [{"object": "score", "index": i, "score": score} for i, score in enumerate(scores)]})
 
@@ -68,7 +68,7 @@ class PoolingServing:
         results = sorted(({"index": i, "relevance_score": cosine(query, o.outputs.embedding)}
                           | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
                           for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
-        return JSONResponse(self._pooled_base(request_id, outputs) | {"results": results[: req.top_n or None]})
+        return JSONResponse(self._pooled_base(request_id, req.model, outputs) | {"results": results[: req.top_n or None]})
 
     async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
                     req: PoolingRequest, renames: dict[str, str],
@@ -84,9 +84,9 @@ class PoolingServing:
         self.serving.check_model(req.model)
         self.serving.check_runner(embeddings=True)
 
-    def _pooled_base(self, request_id: str, outputs: list[EmbeddingRequestOutput]) -> dict:
+    def _pooled_base(self, request_id: str, model: str | None, outputs: list[EmbeddingRequestOutput]) -> dict:
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        return {"id": request_id, "created": int(time.time()), "model": self.serving.model_names[0],
+        return {"id": request_id, "created": int(time.time()), "model": self.serving.response_model(model),
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 

@@ -454,6 +454,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # with messages: as in a chat completion
 
 
 class DetokenizeRequest(_Body):

@@ -180,6 +180,10 @@ class OpenAIServing:
         if name is not None and name not in self.model_names:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_names}", "model")
 
+    def response_model(self, name: str | None) -> str:
+        """A response's "model", as vLLM's: the served name the request gave, else the first."""
+        return name or self.model_names[0]
+
     def check_runner(self, embeddings: bool) -> None:
         """A server makes either embeddings (--runner pooling) or text: the other kind's endpoints are 404s."""
         if embeddings and self.client.pooler is None:
@@ -326,8 +330,8 @@ class OpenAIServing:
 
     def _token_ids(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            return self.chat_prompt(req.messages, req.add_generation_prompt, tools=template_tools(req.tools),
-                                    template_kwargs=req.chat_template_kwargs)
+            return self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                    template_tools(req.tools), req.chat_template_kwargs)
         elif self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", "prompt")
         else:
@@ -436,7 +440,7 @@ class OpenAIServing:
         """Server-sent chunks of `render(delta, streaming=True)`, or one JSON response once all is done.
         `objects`: the "object" field of a chunk and of a whole response; `reshape`: applied to every output
         first (so usage counts what the response holds); `top`: more fields of a whole response."""
-        base = {"id": request_id, "created": int(time.time()), "model": self.model_names[0]}
+        base = {"id": request_id, "created": int(time.time()), "model": self.response_model(req.model)}
         if req.stream:
             events = self._events(stream, n, base | {"object": objects[0]}, lambda d: render(d, True), req, reshape)
             return EventStreamResponse(events, lambda: self.client.abort(stream))
