@@ -43,7 +43,8 @@ def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if not _SEED_MIN <= value <= _SEED_MAX:
-        raise ValueError(f"{name} must fit in 64 bits, in [{_SEED_MIN}, {_SEED_MAX}], got a {value.bit_length()}-bit int")
+        raise ValueError(f"{name} must fit in 64 bits, in [{_SEED_MIN}, {_SEED_MAX}], got a {value.bit_length()}-bit "
+                         f"int")
     return value
 
 
