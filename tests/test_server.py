@@ -64,14 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_server(log_path: str, model: str, *args: str, timeout: float = 180) -> Server:
-    """Start `nanoinfer serve` and wait until /health answers 200."""
+def launch_server(log_path: str, model: str, *args: str, timeout: float = 180, wait: bool = True) -> Server:
+    """Start `nanoinfer serve` and (`wait`) wait until /health answers 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "nanoinfer.cli", "serve", model, "--port", str(port), "--no-access-log",
            "--kv-cache-memory-bytes", str(KV_BYTES), *args]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
+    if not wait:
+        return server
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -90,6 +90,77 @@ def test_queue_bound_then_sigterm_drain(model_path, smollm2_path, tmp_path):
             server.proc.kill()
 
 
+def _exited(process: psutil.Process) -> bool:
+    return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_server_stopped_while_starting_leaves_no_core(model_path, smollm2_path, tmp_path, sig):
+    """A supervisor may stop a server before its model has loaded. SIGTERM then stops the start-up and the core
+    with it (it used to kill the API process at once, leaving the core running for ever); after SIGKILL, which
+    allows no clean-up, the core exits once it finds the API process gone, by the pid it was given (the parent
+    it saw at its own start could already be another process)."""
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path, wait=False)
+    try:
+        wait_for(lambda: any("spawn_main" in part for c in psutil.Process(server.proc.pid).children()
+                             for part in c.cmdline()), timeout=60, what="the core process")
+        core = psutil.Process(server.core_pid())
+        server.proc.send_signal(sig)
+        assert server.proc.wait(60) == (0 if sig == signal.SIGTERM else -signal.SIGKILL), server.log()
+        wait_for(lambda: _exited(core), timeout=90, what="the core to exit")
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_a_beam_search_in_flight_finishes_during_the_drain(model_path, smollm2_path, tmp_path):
+    """A beam search runs step after step of one-token requests: the drain lets it finish, as any request in flight
+    (its steps used to be refused as new requests: a 503)."""
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
+                           "--shutdown-timeout", "60")
+    try:
+        body = {"prompt": "hi", "max_tokens": 150, "use_beam_search": True, "n": 2, "ignore_eos": True}
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(
+            response=httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)), daemon=True)
+        thread.start()
+        wait_for(lambda: metric_values(server.url)[("nanoinfer:num_requests_running", ())] > 0, timeout=60,
+                 what="a beam step running")
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(120)
+        response = result["response"]
+        assert response.status_code == 200, response.text
+        assert [len(c["text"]) > 0 for c in response.json()["choices"]] == [True, True]
+        assert response.json()["usage"]["completion_tokens"] == 2 * 150
+        assert server.proc.wait(60) == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+def test_a_forced_exit_with_streams_open_sends_the_core_nothing(model_path, smollm2_path, tmp_path):
+    """A second SIGTERM ends the drain at once: the streams' handlers close after the core's sockets are gone,
+    and their aborts have nothing left to tell (each used to log an internal ZMQError; uvicorn still logs the
+    handlers it cancels)."""
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
+                           "--shutdown-timeout", "60")
+    try:
+        streams = [([], threading.Event()) for _ in range(3)]
+        threads = [stream_events(server.url, LONG, events, started)
+                   for events, started in streams]
+        assert all(started.wait(60) for _, started in streams)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log()
+        for thread in threads:
+            thread.join(10)
+        assert "internal error" not in server.log() and "ZMQError" not in server.log(), server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
 def test_core_death_fails_fast(model_path, smollm2_path, tmp_path):
     server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path)
     try:
@@ -152,12 +223,13 @@ def test_the_core_process_freezes_what_its_engine_built(tmp_path):
     model = make_tiny_model(str(tmp_path / "tiny"), "llama")
     script = f"""
 import gc
+import os
 from nanoinfer.config import EngineConfig
 from nanoinfer.loader.resolve import resolve_model
 from nanoinfer.server.core_process import EngineCoreProc
 
 config = EngineConfig.from_kwargs(model={model!r}, num_kv_blocks=4096)
-proc = EngineCoreProc("ipc://{tmp_path}/in", "ipc://{tmp_path}/out")
+proc = EngineCoreProc("ipc://{tmp_path}/in", "ipc://{tmp_path}/out", os.getppid())
 proc.start(config, resolve_model(config))
 blocks = proc.core.scheduler.kv_cache_manager.pool.blocks
 tracked = {{id(o) for o in gc.get_objects()}}

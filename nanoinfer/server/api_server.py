@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import math
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -243,13 +244,17 @@ class DrainingServer(uvicorn.Server):
 async def _drain(client: CoreClient, serving: OpenAIServing, server: DrainingServer, timeout: float) -> None:
     """Refuse new requests (503), let running ones finish for up to `timeout` seconds, abort the rest, exit."""
     serving.accepting = False
-    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight",
-                timeout, client.num_unfinished)
+
+    def in_flight() -> int:
+        return client.num_unfinished + serving.num_beam_searches
+
+    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight", timeout, in_flight())
     deadline = time.monotonic() + timeout
-    while client.num_unfinished and client.dead_reason is None and time.monotonic() < deadline:
+    while in_flight() and client.dead_reason is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if client.num_unfinished:
-        logger.warning("aborting %d requests still in flight", client.num_unfinished)
+    if in_flight():
+        logger.warning("aborting %d requests still in flight", in_flight())
+        serving.aborting = True
         client.abort_all()
     server.should_exit = True
 
@@ -278,8 +283,18 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
     metrics = ServerMetrics(options.served_model_names[0])
     client = CoreClient(config, metrics, options.max_output_tokens_per_request)
     stats_task = serving = None
+    loop = asyncio.get_running_loop()
+    # Until uvicorn takes over the signal, SIGTERM stops the start-up (the core is then stopped below), not the
+    # process at once: that would leave the core loading the model with no one to tell it to exit.
+    loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
-        await client.start()
+        try:
+            await client.start()
+        except asyncio.CancelledError:
+            logger.info("SIGTERM during start-up: the server stops")
+            return
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
         serving = OpenAIServing(client, list(options.served_model_names), options.log_prompts,
                                 options.tool_call_parser if options.enable_auto_tool_choice else None,
                                 options.reasoning_parser)

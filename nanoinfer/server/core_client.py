@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
@@ -107,7 +108,7 @@ class CoreClient:
         self.default_sampling = source.default_sampling  # what requests leave unset (generation_config.json)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
         self._proc = ctx.Process(target=run_engine_core, name="nanoinfer-engine-core", args=(
-            self.config, source, f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output"))
+            self.config, source, f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output", os.getpid()))
         self._proc.start()
         while not await self._output.poll(500):
             if not self._proc.is_alive():
@@ -251,7 +252,7 @@ class CoreClient:
         self._send_packed(pack(*frame))
 
     def _send_packed(self, data: bytes) -> None:
-        if self.dead_reason is not None:
+        if self.dead_reason is not None or self._input.closed:  # (closed: the server stopped, its core with it)
             return
         try:
             self._input.send(data, zmq.NOBLOCK)

@@ -30,8 +30,10 @@ _IDLE_POLL_MS = 1000  # how often an idle core checks that its parent is alive
 
 
 class EngineCoreProc:
-    def __init__(self, input_addr: str, output_addr: str) -> None:
-        self.parent_pid = os.getppid()
+    def __init__(self, input_addr: str, output_addr: str, parent_pid: int) -> None:
+        """`parent_pid`: the API process's, given by it (not read here: it may be gone already, and this process's
+        parent then is another)."""
+        self.parent_pid = parent_pid
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)
@@ -136,13 +138,14 @@ def _leave_a_cpu_to_the_api_process() -> None:
         torch.set_num_threads(max(1, torch.get_num_threads() - 1))
 
 
-def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str) -> None:
+def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str,
+                    parent_pid: int) -> None:
     """Entry point of the spawned process."""
     signal.signal(signal.SIGINT, _ignore_signal)
     signal.signal(signal.SIGTERM, _ignore_signal)
     _leave_a_cpu_to_the_api_process()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
-    proc = EngineCoreProc(input_addr, output_addr)
+    proc = EngineCoreProc(input_addr, output_addr, parent_pid)
     try:
         try:
             proc.start(config, source)

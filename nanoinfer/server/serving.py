@@ -158,6 +158,8 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser  # splits <think> reasoning from content; None: all is content
         self.tokenizer = client.tokenizer
         self.accepting = True  # False while draining for shutdown
+        self.num_beam_searches = 0  # in flight: a drain waits for them too (between steps none of theirs runs)
+        self.aborting = False  # the drain's time is up: beam searches take no further step
         # Large requests are tokenized here, and grammars compiled (`_tokenizing`), one at a time in arrival order.
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         if self.tokenizer is not None:
@@ -364,10 +366,11 @@ class OpenAIServing:
     async def generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
                         params: SamplingParams | PoolingParams,
                         req: GenerationRequest | PoolingRequest,
-                        renames: dict[str, str], raw: Request) -> OutputStream:
+                        renames: dict[str, str], raw: Request, beam_step: bool = False) -> OutputStream:
         """Admit the request: its prompts are made (a chat template rendered) and tokenized (`_tokenizing`),
-        then registered with the core on the event loop."""
-        if not self.accepting:
+        then registered with the core on the event loop. `beam_step`: a step of a beam search admitted before
+        any drain began, so it runs while the server drains."""
+        if not (self.accepting or beam_step):
             raise ApiError(503, "the server is shutting down")
         self.client.check_alive()  # fail fast, before the tokenizer works for nothing
 
@@ -378,7 +381,7 @@ class OpenAIServing:
         try:
             prompts, admitted = await self._tokenizing(
                 raw, admit, grammar=getattr(params, "structured_outputs", None) is not None)
-            if not self.accepting:  # the drain began while the prompt was tokenized
+            if not (self.accepting or beam_step):  # the drain began while the prompt was tokenized
                 raise ApiError(503, "the server is shutting down")
             if self.log_prompts:
                 texts = [p if isinstance(p, str) or self.tokenizer is None else self.tokenizer.decode(p)
@@ -400,6 +403,26 @@ class OpenAIServing:
         if not self.accepting:
             raise ApiError(503, "the server is shutting down")
         req.check_stream_options()
+        self.num_beam_searches += 1  # admitted: a drain lets it finish, as it does any request in flight
+        try:
+            prompts, searches = await self._beam_steps(request_id, make_prompts, req, max_tokens, renames, raw)
+        finally:
+            self.num_beam_searches -= 1
+        if searches is None:
+            return None
+        stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
+        for output_id, ids, search in zip(stream.request_ids, prompts, searches):
+            choices = [CompletionOutput(j, self.tokenizer.decode(beam.tokens[len(ids):], skip_special_tokens=
+                                                                 req.skip_special_tokens) if self.tokenizer else "",
+                                        beam.tokens[len(ids):], None, beam.finish_reason)
+                       for j, beam in enumerate(search.best())]
+            stream.put(RequestOutput(output_id, None, ids, choices, finished=True))
+        return stream
+
+    async def _beam_steps(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
+                          req: GenerationRequest, max_tokens: int | None, renames: dict[str, str], raw: Request
+                          ) -> tuple[list[list[int]], list[BeamSearch] | None]:
+        """The prompts' token ids and their searches run to the end (None if the client went away)."""
         try:  # the bounds a request's sampling would meet: the context, and the server's output tokens
             prompts = await self._tokenizing(raw, lambda: [self.client.input_processor.tokenize(p)
                                                            for p in make_prompts()])
@@ -412,26 +435,21 @@ class OpenAIServing:
         searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
         step = 0
         while beams := live_beams(searches):
+            if self.aborting:  # the drain's time ran out between two steps
+                raise ApiError(503, "the server is shutting down")
             outputs = await self.collect(await self.generate(
                 f"{request_id}-{step}", lambda: [beam.tokens for _, beam in beams], params.step_params(), req,
-                renames, raw), raw)
+                renames, raw, beam_step=True), raw)
             if outputs is None:
-                return None
+                return prompts, None
             reasons = {c.finish_reason for o in outputs for c in o.outputs}
-            if "abort" in reasons:  # the server began draining
+            if "abort" in reasons:  # the drain's time ran out during the step
                 raise ApiError(503, "the server is shutting down")
             if "error" in reasons:
                 raise _request_failed(request_id)
             advance_all(beams, outputs)
             step += 1
-        stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
-        for output_id, ids, search in zip(stream.request_ids, prompts, searches):
-            choices = [CompletionOutput(j, self.tokenizer.decode(beam.tokens[len(ids):], skip_special_tokens=
-                                                                 req.skip_special_tokens) if self.tokenizer else "",
-                                        beam.tokens[len(ids):], None, beam.finish_reason)
-                       for j, beam in enumerate(search.best())]
-            stream.put(RequestOutput(output_id, None, ids, choices, finished=True))
-        return stream
+        return prompts, searches
 
     async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, request_id: str,
                        objects: tuple[str, str], render: Callable[[_Delta, bool], dict],
