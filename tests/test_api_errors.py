@@ -189,6 +189,14 @@ def test_unreadable_or_ambiguous_checkpoints_name_the_file(tmp_path, tiny_models
     save_file({**tensors, name: tensors[name].to(torch.int32)}, f"{folder}/model-00001.safetensors")
     with pytest.raises(ValueError, match="'model.norm.weight' is torch.int32: weights must be floating point"):
         LLM(folder)
+    save_file({**tensors, "norm.weight": torch.zeros_like(tensors[name])}, f"{folder}/model-00001.safetensors")
+    with pytest.raises(ValueError, match="'model.norm.weight' is in the checkpoint twice: as 'norm.weight'"):
+        LLM(folder)  # (a bare name is read under "model.": one would silently overwrite the other)
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    save_file({**tensors, o_proj: tensors[o_proj].flatten()}, f"{folder}/model-00001.safetensors")
+    with pytest.raises(ValueError, match=f"cannot load checkpoint tensor '{o_proj}' of shape"):
+        LLM(folder)  # (a row-parallel weight of one dimension: its shard's dimension was an IndexError)
+    save_file(tensors, f"{folder}/model-00001.safetensors")
     for index in ("{not json", "[]", '{"weight_map": {"a": 3}}', "{}"):
         open(f"{folder}/model.safetensors.index.json", "w").write(index)
         with pytest.raises(ValueError, match="is not a valid shard index"):

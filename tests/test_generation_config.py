@@ -50,6 +50,9 @@ def test_generation_config_vllm_or_another_folder(model, tiny_models, tmp_path):
     (bad / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match=r"bad/generation_config.json: temperature"):
         LLM(model, generation_config=str(bad), device="cpu")
+    (bad / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": None}))
+    assert LLM(model, generation_config=str(bad), device="cpu").get_default_sampling_params() == SamplingParams(
+        temperature=0.25)  # null: no recommendation, as vLLM reads it
 
 
 def test_http_fields_left_unset_take_the_models_defaults():

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -238,13 +240,14 @@ def _finish(writer: gguf.GGUFWriter) -> None:
     writer.close()
 
 
-def _write_synthetic(path: str, arch: str, weights: dict[str, np.ndarray], head_dim: int) -> None:
+def _write_synthetic(path: str, arch: str, weights: dict[str, np.ndarray], head_dim: int, heads: int = HEADS,
+                     eos: int = 2) -> None:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
+    writer.add_head_count(heads)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -257,7 +260,7 @@ def _write_synthetic(path: str, arch: str, weights: dict[str, np.ndarray], head_
     writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
     writer.add_token_merges(["h e", "l l", "he ll", "hell o"])
     writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer.add_eos_token_id(eos)
     writer.add_chat_template(CHAT_TEMPLATE)
     for name, weight in weights.items():
         if arch == "llama" and ".q_proj." in name:
@@ -324,6 +327,39 @@ def test_resolve_converts_once_and_replaces_unmarked_folder(tmp_path, cache_dir,
     assert (target / MARKER_FILE).is_file()
     assert AutoConfig.from_pretrained(first).model_type == "llama"
     assert caplog.text.count("converting") == 1
+
+
+def test_a_damaged_or_abandoned_conversion_is_converted_again_and_removed(tmp_path, cache_dir, caplog):
+    """A cached file cut short or deleted after the conversion is found (the marker records every file's size) and
+    the model converted again; a conversion whose process died left its temporary folder (~0.5 GB for the default
+    model), removed by the next conversion. The cache is readable by all, weights included."""
+    path = str(tmp_path / "tiny.gguf")
+    _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS)
+    first = resolve_gguf(path)
+    assert os.stat(os.path.join(first, "model.safetensors")).st_mode & 0o777 == 0o644
+    weights = os.path.join(first, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = cache_dir / f".{os.path.basename(first)}.tmp-{int(dead.stdout)}-abcd"
+    abandoned.mkdir()
+    alive = cache_dir / f".{os.path.basename(first)}.tmp-{os.getpid()}-efgh"  # a conversion still running
+    alive.mkdir()
+    with caplog.at_level(logging.INFO, logger="nanoinfer"):
+        assert resolve_gguf(path) == first
+    assert "incomplete or damaged" in caplog.text and caplog.text.count("converting") == 1
+    assert AutoConfig.from_pretrained(first).model_type == "llama" and gguf_loader._is_complete(first)
+    assert not abandoned.exists() and alive.exists()
+
+
+def test_gguf_metadata_that_cannot_make_a_model_is_a_clear_error(tmp_path):
+    path = str(tmp_path / "headless.gguf")
+    _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS, heads=0)
+    with pytest.raises(ValueError, match="head_count must be a positive integer, got 0"):
+        convert_gguf(path, str(tmp_path / "out"))
+    path = str(tmp_path / "eos-outside.gguf")  # transformers' tokenizer conversion raises an IndexError on it
+    _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS, eos=99999)
+    with pytest.raises(ValueError, match="its tokenizer cannot be read"):
+        convert_gguf(path, str(tmp_path / "out"))
 
 
 def test_cache_follows_the_bytes_and_keeps_one_conversion_per_file(tmp_path, cache_dir, caplog):

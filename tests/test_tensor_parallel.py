@@ -123,6 +123,27 @@ def test_dummy_weights_are_the_same_model_for_every_tp_size(tmp_path, monkeypatc
     assert not torch.equal(full["model.embed_tokens.weight"], full["lm_head.weight"])  # per-name seeds
 
 
+def test_a_tensor_parallel_engine_lives_alone_in_its_process(tiny_qwen3) -> None:
+    """torch.distributed keeps one process group per process, and every model of the process reads it: beside a TP
+    engine another engine's steps went into the group's collectives and hung. Refused either way, until the
+    other engine is closed."""
+    single = LLM(tiny_qwen3, device="cpu", num_kv_blocks=32)
+    with pytest.raises(RuntimeError, match="another engine runs in this process"):
+        LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, num_kv_blocks=32)
+    assert not dist.is_initialized()
+    single.close()
+    parallel = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        with pytest.raises(RuntimeError, match="a tensor-parallel engine runs in this process"):
+            LLM(tiny_qwen3, device="cpu", num_kv_blocks=32)
+        out = parallel.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        parallel.close()
+    assert LLM(tiny_qwen3, device="cpu", num_kv_blocks=32).generate([[1, 2, 3]], SamplingParams(max_tokens=2),
+                                                                   use_tqdm=False)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduling: bool) -> None:
     """Async: workers feed each step's tokens from rank 0's broadcast before any host list has them."""

@@ -118,10 +118,7 @@ class TensorParallelDriver:
         """Validate the size, start or join the other ranks and send them the engine arguments
         (with the device resolved, so every rank builds the same model the same way)."""
         world_size = config.tensor_parallel_size
-        check_tensor_parallel_size(hf_config, world_size)
-        if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialised in this process: close the other "
-                               "tensor-parallel engine first (one per process)")
+        check_tensor_parallel_size(hf_config, world_size)  # (EngineCore checked that no other engine runs)
         self.workers = _Workers()
         self._finalizer = weakref.finalize(self, self.workers.shutdown)
         if device.type == "cpu":

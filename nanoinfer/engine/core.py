@@ -12,6 +12,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -106,10 +107,27 @@ class SchedulerStats:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
 
+# This process's engines. torch.distributed keeps one process group per process, and every model of the process
+# reads it (its collectives, its rank): a tensor-parallel engine must live alone (`_check_alone`).
+_engines: weakref.WeakSet[EngineCore] = weakref.WeakSet()
+
+
+def _check_alone(tensor_parallel: bool) -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise RuntimeError("a tensor-parallel engine runs in this process (or torch.distributed was initialised): "
+                           "close it first (LLM.close()); its process group would be every engine's")
+    if tensor_parallel:
+        gc.collect()  # engines dropped but not collected yet
+        if any(engine.error is None for engine in _engines):
+            raise RuntimeError("another engine runs in this process: close it first (LLM.close()); a tensor-"
+                               "parallel engine's process group would be every engine's")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         from nanoinfer.model_runner.model_runner import start_model_runner
 
+        _check_alone(config.tensor_parallel_size > 1)
         _freeze_startup_heap()
         self.config = config
         self.source = source or resolve_model(config)
@@ -145,6 +163,7 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling and config.speculative is None
         self.in_flight = None
         self.error: str | None = None  # why this core cannot go on
+        _engines.add(self)
 
     def limits(self) -> EngineLimits:
         """What the front end's admission checks need to know about this core."""

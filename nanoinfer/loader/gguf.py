@@ -110,6 +110,9 @@ def _build_config(reader: gguf.GGUFReader, arch: str):
         raise ValueError(f"GGUF rope scaling {scaling!r} of {reader.data.filename} is not supported")
     hidden_size = meta(gguf.Keys.LLM.EMBEDDING_LENGTH)
     num_heads = meta(gguf.Keys.Attention.HEAD_COUNT)
+    if not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"GGUF file {reader.data.filename}: {arch}.attention.head_count must be a positive "
+                         f"integer, got {num_heads!r}")
     head_dim = meta(gguf.Keys.Attention.KEY_LENGTH, hidden_size // num_heads)
     rotary_dim = meta(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)
     if rotary_dim != head_dim:
@@ -178,8 +181,11 @@ def _convert_tensors(reader: gguf.GGUFReader, arch: str, config) -> dict[str, np
 def _save_tokenizer(gguf_path: str, reader: gguf.GGUFReader, config, out_dir: str) -> None:
     """Use transformers' GGUF tokenizer conversion, pin the GGUF's chat template on it,
     and write the special ids as a generation config so generation stops at EOS."""
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                              gguf_file=os.path.basename(gguf_path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                                  gguf_file=os.path.basename(gguf_path))
+    except Exception as e:  # transformers' conversion raises what it meets (KeyError, IndexError, ...)
+        raise ValueError(f"GGUF file {gguf_path}: its tokenizer cannot be read ({type(e).__name__}: {e})") from None
     chat_template = _field(reader, gguf.Keys.Tokenizer.CHAT_TEMPLATE, None)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
@@ -204,16 +210,19 @@ def convert_gguf(gguf_path: str, out_dir: str) -> str:
         raise FileExistsError(f"conversion target already exists: {out_dir}")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    # The pid in its name: a conversion whose process died (killed mid-way) is found and removed later.
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-{os.getpid()}-", dir=parent)
     try:
-        os.chmod(tmp_dir, 0o755)
+        os.chmod(tmp_dir, 0o755)  # a shared cache: readable by all, as the files in it
         config = _build_config(reader, arch)
         config.save_pretrained(tmp_dir)
-        save_file(_convert_tensors(reader, arch, config), os.path.join(tmp_dir, "model.safetensors"),
-                  metadata={"format": "pt"})
+        weights = os.path.join(tmp_dir, "model.safetensors")
+        save_file(_convert_tensors(reader, arch, config), weights, metadata={"format": "pt"})
+        os.chmod(weights, 0o644)  # safetensors writes 0600 whatever the umask
         _save_tokenizer(gguf_path, reader, config, tmp_dir)
+        files = {name: os.path.getsize(os.path.join(tmp_dir, name)) for name in os.listdir(tmp_dir)}
         with open(os.path.join(tmp_dir, MARKER_FILE), "w") as f:
-            json.dump({"source": os.path.abspath(gguf_path), "size": os.path.getsize(gguf_path)}, f)
+            json.dump({"source": os.path.abspath(gguf_path), "size": os.path.getsize(gguf_path), "files": files}, f)
         try:
             os.replace(tmp_dir, out_dir)
         except OSError as e:
@@ -250,10 +259,12 @@ def resolve_gguf(gguf_path: str) -> str:
     _check_file(gguf_path)
     name = os.path.splitext(os.path.basename(gguf_path))[0]
     out_dir = os.path.join(cache_dir(), f"{name}-{file_digest(gguf_path)}")
-    if os.path.exists(os.path.join(out_dir, MARKER_FILE)):
+    if _is_complete(out_dir):
         return out_dir
-    if os.path.exists(out_dir):  # not written by convert_gguf: nothing in it can be trusted
+    if os.path.exists(out_dir):  # not written by convert_gguf, or damaged since: nothing in it can be trusted
+        logger.warning("%s is incomplete or damaged: made anew from %s", out_dir, gguf_path)
         shutil.rmtree(out_dir)
+    _remove_abandoned_conversions(name)
     logger.info("converting %s once; cached at %s", gguf_path, out_dir)
     try:
         convert_gguf(gguf_path, out_dir)
@@ -262,6 +273,36 @@ def resolve_gguf(gguf_path: str) -> str:
             raise
     _remove_older_conversions(gguf_path, name, keep=out_dir)
     return out_dir
+
+
+def _is_complete(folder: str) -> bool:
+    """Whether `folder` is a finished conversion with every file it wrote, at the size it wrote it (a cut or
+    deleted file would fail every load after it)."""
+    try:
+        with open(os.path.join(folder, MARKER_FILE)) as f:
+            files = json.load(f).get("files", {})
+        return all(os.path.getsize(os.path.join(folder, name)) == size for name, size in files.items())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _remove_abandoned_conversions(name: str) -> None:
+    """The temporary folders of conversions of `name` whose process is gone (killed mid-way): ~0.5 GB each."""
+    for folder in glob.glob(os.path.join(glob.escape(cache_dir()), f".{glob.escape(name)}-*.tmp-*-*")):
+        pid = os.path.basename(folder).rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            logger.info("removing %s, left by a conversion that did not finish", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _remove_older_conversions(gguf_path: str, name: str, keep: str) -> None:

@@ -152,7 +152,8 @@ def _default_sampling(option: str, model_path: str, generation: dict | None) -> 
         if generation is None:
             raise FileNotFoundError(f"generation_config: {option!r} holds no generation_config.json")
         model_path = option
-    defaults = {name: generation[key] for key, name in _GENERATION_FIELDS.items() if key in (generation or {})}
+    defaults = {name: generation[key] for key, name in _GENERATION_FIELDS.items()
+                if (generation or {}).get(key) is not None}  # null: no recommendation (as vLLM reads it)
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:

@@ -130,7 +130,7 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
     weight_loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         weight_loader(param, loaded, shard_id)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, IndexError) as e:  # (IndexError: a shard of a tensor of too few dims)
         raise ValueError(
             f"cannot load checkpoint tensor {name!r} of shape {tuple(loaded.shape)} "
             f"into a parameter of shape {tuple(param.shape)}: {e}"
@@ -153,6 +153,9 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
             where[name] = file
     own = _checkpoint_targets(model)
     rename = {n: f"model.{n}" for n in where if n not in own and f"model.{n}" in own}
+    twice = next((n for n in rename if rename[n] in where), None)
+    if twice is not None:  # one would silently overwrite the other
+        raise ValueError(f"tensor {rename[twice]!r} is in the checkpoint twice: as {twice!r} and {rename[twice]!r}")
     targets = _match_names(model, {rename.get(n, n) for n in where}, f"checkpoint in {str(folder)!r}",
                            frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
     for file, names in names_by_file.items():
