@@ -50,7 +50,7 @@ class EngineConfig:
     tokenizer: str | None = _arg(None, "tokenizer folder or .gguf file (default: the model's)")
     chat_template: str | None = _arg(None, "chat template replacing the tokenizer's (for a model without one, or to change it): a Jinja file, or the template itself")
     load_format: str = _arg("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
-    dtype: str = _arg("auto", "weights and activations dtype (auto: float32 on CPU, the model's bf16/fp16 on GPU)", ("auto", "float32", "float16", "bfloat16"))
+    dtype: str = _arg("auto", "weights and activations dtype (auto: float32 on CPU, the model's bf16/fp16 on GPU)", ("auto", "float32", "float16", "bfloat16", "half", "float"))
     device: str = _arg("auto", "where to run (auto: cuda if available)", ("auto", "cpu", "cuda"))
     seed: int = _arg(0, "seed for dummy weights and unseeded sampling")
     block_size: int = _arg(16, "tokens per KV-cache block")
@@ -89,6 +89,9 @@ class EngineConfig:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not isinstance(self.dtype, str):  # a torch.dtype, as vLLM takes it too
+            self.dtype = str(self.dtype).removeprefix("torch.")
+        self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)  # vLLM's aliases
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:

@@ -249,3 +249,11 @@ def test_settings_checked_at_construction(tmp_path, tiny_models) -> None:
 def test_engine_argument_types(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
         EngineConfig(**kwargs)
+
+
+def test_dtype_takes_vllms_aliases_and_torch_dtypes() -> None:
+    for given, meant in (("half", "float16"), ("float", "float32"), (torch.bfloat16, "bfloat16"),
+                         (torch.float16, "float16"), ("bfloat16", "bfloat16")):
+        assert EngineConfig(dtype=given).dtype == meant
+    with pytest.raises(ValueError, match="dtype='int8' is not one of"):
+        EngineConfig(dtype=torch.int8)
