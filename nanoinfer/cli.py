@@ -13,7 +13,7 @@ import typing
 from nanoinfer.config import EngineConfig
 
 SAMPLING_FLAGS = {  # flag -> (SamplingParams field, type, default, help)
-    "--max-tokens": ("max_tokens", int, 256, "most tokens to generate"),
+    "--max-tokens": ("max_tokens", int, 256, "most tokens to generate (unset: at most what the context leaves)"),
     "--temperature": ("temperature", float, 0.7, "0 = greedy"),
     "--top-p": ("top_p", float, 1.0, "nucleus sampling mass"),
     "--top-k": ("top_k", int, 0, "sample from the k most likely tokens (0 = off)"),
@@ -72,6 +72,16 @@ def sampling_params(args: argparse.Namespace, model_defaults: dict):
     return SamplingParams(**(defaults | model_defaults | {k: v for k, v in given.items() if v is not None}))
 
 
+def _fit_to_context(llm, params, args: argparse.Namespace, prompt: str | list[int]):
+    """The CLI's own default max_tokens, cut to what the context leaves after `prompt` (a model of a short context
+    or a long chat). A count the user or the model's generation_config.json gave is kept: its error says why."""
+    if args.max_tokens is not None or "max_tokens" in llm.engine.default_sampling:
+        return params
+    prompt_len = len(prompt) if isinstance(prompt, list) else len(llm.engine.input_processor.tokenize(prompt))
+    room = llm.engine.limits.max_tokens_per_request - prompt_len
+    return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+
+
 def _build_llm(args: argparse.Namespace):
     from nanoinfer import LLM
 
@@ -83,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
     params = sampling_params(args, llm.engine.default_sampling)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    for text in llm.stream(prompt, params):
+    for text in llm.stream(prompt, _fit_to_context(llm, params, args, prompt)):
         print(text, end="", flush=True)
     print()
     return 0
@@ -103,7 +113,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         messages.append({"role": "user", "content": line})
         reply = []
-        for text in llm.stream(llm.apply_chat_template(messages), params):
+        prompt = llm.apply_chat_template(messages)
+        for text in llm.stream(prompt, _fit_to_context(llm, params, args, prompt)):
             print(text, end="", flush=True)
             reply.append(text)
         print()

@@ -37,6 +37,18 @@ def test_generate_streams_greedy_text(smollm2_path) -> None:
     assert proc.stdout.strip() == expected.strip()
 
 
+def test_the_default_max_tokens_fits_a_short_context(smollm2_path) -> None:
+    """The CLI's default of 256 tokens is cut to what the context leaves (it was an error with max_model_len 64)."""
+    from nanoinfer import LLM, SamplingParams
+
+    short = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "64"]
+    proc = run(["generate", "The capital of France is", "--temperature", "0", "--ignore-eos", *short])
+    assert proc.returncode == 0, proc.stderr
+    rest = LLM(kv_cache_memory_bytes=32 << 20, max_model_len=64).generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert proc.stdout.strip() == rest[0].outputs[0].text.strip() and len(rest[0].outputs[0].token_ids) > 50
+
+
 def test_chat_reads_stdin(smollm2_path) -> None:
     proc = run(["chat", "--max-tokens", "6", "--temperature", "0", *SMALL], stdin="Hi!\n\n")
     assert proc.returncode == 0, proc.stderr
