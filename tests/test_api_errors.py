@@ -62,6 +62,22 @@ def test_unsupported_architecture(tmp_path, tiny_models) -> None:
         LLM(str(tmp_path / "config.json"), load_format="dummy")
 
 
+def test_a_sliding_window_no_shorter_than_the_context_is_full_attention(tmp_path, tiny_models) -> None:
+    """Mistral-7B-v0.1 (window 4096) and Qwen models with use_sliding_window load with max_model_len up to the
+    window, where attention is full; a longer context is refused (sliding windows are not implemented)."""
+    import json
+
+    folder = copy_model(tiny_models["qwen3"], tmp_path / "windowed")
+    config = json.load(open(f"{folder}/config.json"))
+    json.dump(config | {"use_sliding_window": True, "sliding_window": 64}, open(f"{folder}/config.json", "w"))
+    with pytest.raises(ValueError, match="sliding_window=64.*give max_model_len <= 64"):
+        LLM(folder, num_kv_blocks=16)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    windowed = LLM(folder, max_model_len=64, num_kv_blocks=16).generate([[1, 2, 3]], greedy, use_tqdm=False)
+    plain = LLM(tiny_models["qwen3"], max_model_len=64, num_kv_blocks=16).generate([[1, 2, 3]], greedy, use_tqdm=False)
+    assert windowed[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
 def test_max_model_len_beyond_model(tiny_models) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(tiny_models["llama"], max_model_len=100_000)

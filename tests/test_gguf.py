@@ -351,6 +351,16 @@ def test_a_damaged_or_abandoned_conversion_is_converted_again_and_removed(tmp_pa
     assert not abandoned.exists() and alive.exists()
 
 
+def test_a_gguf_named_in_capitals_is_a_gguf(tmp_path, cache_dir):
+    from nanoinfer.config import EngineConfig
+    from nanoinfer.loader.resolve import resolve_model
+
+    path = str(tmp_path / "TINY.GGUF")
+    _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS)
+    source = resolve_model(EngineConfig(model=path, load_format="gguf"))
+    assert source.model_path.startswith(str(cache_dir)) and source.hf_config.model_type == "llama"
+
+
 def test_gguf_metadata_that_cannot_make_a_model_is_a_clear_error(tmp_path):
     path = str(tmp_path / "headless.gguf")
     _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS, heads=0)

@@ -35,7 +35,7 @@ _GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "
 
 def _as_folder(path: str) -> str:
     """GGUF files become cached HF folders; everything else is used as given."""
-    if path.endswith(".gguf"):
+    if path.lower().endswith(".gguf"):
         from nanoinfer.loader.gguf import resolve_gguf
 
         return resolve_gguf(path)
@@ -95,7 +95,7 @@ def resolve_model(config: EngineConfig) -> ModelSource:
         if not os.path.exists(config.model):
             raise FileNotFoundError(f"model path {config.model!r} does not exist (models load from local folders, "
                                     f".gguf files, or a config.json with load_format='dummy')")
-        if config.load_format == "gguf" and not config.model.endswith(".gguf"):
+        if config.load_format == "gguf" and not config.model.lower().endswith(".gguf"):
             raise ValueError(f"load_format='gguf' needs a .gguf file, got {config.model!r}")
         model_path = _as_folder(config.model)
     hf_config = get_hf_config(model_path)
@@ -113,6 +113,12 @@ def resolve_model(config: EngineConfig) -> ModelSource:
     max_model_len = config.max_model_len or model_max
     if max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+    # Qwen2/3 keep a `sliding_window` value even when `use_sliding_window` is off. Within one window attention is
+    # full, so a context no longer than the window needs none.
+    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    if window is not None and window < max_model_len:
+        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: give max_model_len "
+                         f"<= {window}, within which attention is full")
 
     eos = _eos_ids(getattr(hf_config, "eos_token_id", None), "config.json")
     generation = _generation_config(model_path)

@@ -29,10 +29,6 @@ from nanoinfer.layers.rotary import RotaryEmbedding, get_rope
 def _check_supported(config: Any) -> None:
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-    # Qwen2/3 keep a `sliding_window` value even when `use_sliding_window` is off.
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window is not None:
-        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported")
 
 
 class LlamaAttention(nn.Module):
