@@ -68,7 +68,8 @@ class PoolingServing:
         results = sorted(({"index": i, "relevance_score": cosine(query, o.outputs.embedding)}
                           | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
                           for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
-        return JSONResponse(self._pooled_base(request_id, req.model, outputs) | {"results": results[: req.top_n or None]})
+        return JSONResponse(self._pooled_base(request_id, req.model, outputs)
+                            | {"results": results[: req.top_n or None]})
 
     async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
                     req: PoolingRequest, renames: dict[str, str],
