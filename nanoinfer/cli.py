@@ -72,14 +72,13 @@ def sampling_params(args: argparse.Namespace, model_defaults: dict):
     return SamplingParams(**(defaults | model_defaults | {k: v for k, v in given.items() if v is not None}))
 
 
-def _fit_to_context(llm, params, args: argparse.Namespace, prompt: str | list[int]):
+def _fit_to_context(llm, params, args: argparse.Namespace, prompt: list[int]):
     """The CLI's own default max_tokens, cut to what the context leaves after `prompt` (a model of a short context
     or a long chat). A count the user or the model's generation_config.json gave is kept: its error says why."""
     if args.max_tokens is not None or "max_tokens" in llm.engine.default_sampling:
         return params
-    prompt_len = len(prompt) if isinstance(prompt, list) else len(llm.engine.input_processor.tokenize(prompt))
-    room = llm.engine.limits.max_tokens_per_request - prompt_len
-    return dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+    room = llm.engine.input_processor.check_length(len(prompt), None)  # (a prompt that fills the context: an error)
+    return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
 
 def _build_llm(args: argparse.Namespace):
@@ -92,7 +91,8 @@ def _build_llm(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
     params = sampling_params(args, llm.engine.default_sampling)
-    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
+        else llm.engine.input_processor.tokenize(args.prompt)  # token ids: counted once, for `_fit_to_context`
     for text in llm.stream(prompt, _fit_to_context(llm, params, args, prompt)):
         print(text, end="", flush=True)
     print()

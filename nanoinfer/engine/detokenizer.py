@@ -83,15 +83,15 @@ class IncrementalDetokenizer:
     def _truncate_at_stop(self, checked_length: int) -> str | None:
         """Find the earliest stop string ending past `checked_length` (at the same place, the first in the
         list, as vLLM picks) and cut the text there."""
-        match: tuple[int, int, str] | None = None
-        for order, stop in enumerate(self.stop):
+        match: tuple[int, str] | None = None
+        for stop in self.stop:
             # Text up to checked_length held no stop string, so a match must end after it.
             index = self.output_text.find(stop, max(0, checked_length - len(stop) + 1))
             if index != -1 and (match is None or index < match[0]):
-                match = (index, order, stop)
+                match = (index, stop)
         if match is None:
             return None
-        index, _, stop = match
+        index, stop = match
         self.output_text = self.output_text[: index + len(stop) if self.include_stop_str_in_output else index]
         return stop
 
