@@ -124,8 +124,9 @@ def test_a_beam_search_in_flight_finishes_during_the_drain(model_path, smollm2_p
         thread = threading.Thread(target=lambda: result.update(
             response=httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)), daemon=True)
         thread.start()
-        wait_for(lambda: metric_values(server.url)[("nanoinfer:num_requests_running", ())] > 0, timeout=60,
-                 what="a beam step running")
+        # Steps done (a beam step's request has finished by the time its stats arrive: running reads 0 between them).
+        wait_for(lambda: metric_values(server.url).get(("nanoinfer:generation_tokens_total", ()), 0) >= 2, timeout=60,
+                 what="a beam step done")
         server.proc.send_signal(signal.SIGTERM)
         thread.join(120)
         response = result["response"]
