@@ -205,6 +205,16 @@ def test_completion_matches_offline(client, offline):
     assert out.usage.completion_tokens == 12 and out.usage.total_tokens == 12 + len(ref.prompt_token_ids)
 
 
+def test_completion_max_tokens_null_is_the_rest_of_the_context(server):
+    """vLLM's reading: max_tokens left out is 16, an explicit null runs to the end of the context."""
+    body = {"model": "tiny", "prompt": "The capital of France is", "temperature": 0, "ignore_eos": True}
+    omitted = httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=120).json()
+    null = httpx.post(f"{server.url}/v1/completions", json=body | {"max_tokens": None}, headers=AUTH,
+                      timeout=120).json()
+    assert omitted["usage"]["completion_tokens"] == 16
+    assert null["usage"]["total_tokens"] == 512 and null["choices"][0]["finish_reason"] == "length"
+
+
 def test_logit_bias_matches_offline(client, offline):
     prompt, bias = "The capital of France is", {"42": 100, "1000": -100}
     ref = offline.generate(prompt, greedy(6, ignore_eos=True, logit_bias={int(k): v for k, v in bias.items()}),
@@ -718,6 +728,7 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "min_tokens": 20, "max_tokens": 10}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": 4, "max_tokens": 300}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 8}, 400, "max_tokens"),  # unset: the rest of the context
+    ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": None}, 400, "max_tokens"),  # null: the same
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),

@@ -38,12 +38,15 @@ class _Body(BaseModel):
     # Unknown fields are ignored, as vLLM and OpenAI do. Known ones must have the type the schema says (as
     # OpenAI checks): no "5" or true for an integer (the API fuzzer's negative cases); an int is a float.
     model_config = ConfigDict(extra="ignore", strict=True)
+    _null_means_none: ClassVar[frozenset[str]] = frozenset()  # fields where null is a value, not "unset"
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: object) -> object:
         """An explicit null means the field's default, as in OpenAI's schema (clients send unset fields so)."""
-        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items() if value is not None or key in cls._null_means_none}
 
 
 class StreamOptions(_Body):
@@ -196,6 +199,8 @@ def _is_token_ids(value: object) -> bool:
 
 
 class CompletionRequest(GenerationRequest):
+    # vLLM's reading: max_tokens left out is 16, an explicit null is the rest of the context (or the model's default).
+    _null_means_none: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: Any  # checked by prompts(): pydantic's union errors would not say what is allowed
     max_tokens: int | None = 16
     echo: bool = False
