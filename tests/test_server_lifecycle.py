@@ -139,10 +139,10 @@ def test_a_beam_search_in_flight_finishes_during_the_drain(model_path, smollm2_p
             server.proc.kill()
 
 
-def test_a_forced_exit_with_streams_open_sends_the_core_nothing(model_path, smollm2_path, tmp_path):
-    """A second SIGTERM ends the drain at once: the streams' handlers close after the core's sockets are gone,
-    and their aborts have nothing left to tell (each used to log an internal ZMQError; uvicorn still logs the
-    handlers it cancels)."""
+def test_a_forced_exit_ends_open_streams_as_aborted(model_path, smollm2_path, tmp_path):
+    """A second SIGTERM ends the drain at once: each open stream gets its last chunk (finish_reason "abort") and
+    [DONE], then the server exits; the streams' aborts send the closed core nothing (each used to log a
+    ZMQError), and no handler is left for asyncio's exit to cancel (uvicorn logged each one as an exception)."""
     server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
                            "--shutdown-timeout", "60")
     try:
@@ -156,7 +156,10 @@ def test_a_forced_exit_with_streams_open_sends_the_core_nothing(model_path, smol
         assert server.proc.wait(60) == 0, server.log()
         for thread in threads:
             thread.join(10)
-        assert "internal error" not in server.log() and "ZMQError" not in server.log(), server.log()
+        for events, _ in streams:
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort", events[-3:]
+        log = server.log()
+        assert "internal error" not in log and "ZMQError" not in log and "Traceback" not in log, log
     finally:
         if server.proc.poll() is None:
             server.proc.kill()

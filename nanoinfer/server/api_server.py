@@ -220,11 +220,14 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
 
 
 class DrainingServer(uvicorn.Server):
-    """The first SIGTERM / SIGINT starts `drain` instead of stopping at once; a second one forces the exit."""
+    """The first SIGTERM / SIGINT starts `drain` instead of stopping at once; a second one forces the exit:
+    `abort` ends what is still in flight (each client gets its partial output, finish_reason "abort") and the
+    server stops without waiting for the drain."""
 
-    def __init__(self, config: uvicorn.Config, drain) -> None:
+    def __init__(self, config: uvicorn.Config, drain, abort) -> None:
         super().__init__(config)
         self.drain = drain
+        self.abort = abort
         self.drain_started = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -240,22 +243,38 @@ class DrainingServer(uvicorn.Server):
         self.drain_started = True
         self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain(self)))
 
+    async def shutdown(self, sockets=None) -> None:
+        if self.force_exit:
+            # The handlers end here, their responses complete: uvicorn would leave them running, and asyncio.run's
+            # exit would cancel each one, which uvicorn logs as an "Exception in ASGI application".
+            self.abort()
+            handlers = set(self.server_state.tasks)
+            if handlers:
+                await asyncio.wait(handlers, timeout=_UVICORN_GRACE_SECONDS)
+        await super().shutdown(sockets)
+
+
+def _abort_in_flight(client: CoreClient, serving: OpenAIServing) -> None:
+    """End every request in flight now (their blocks freed in the core); beam searches take no further step."""
+    serving.aborting = True
+    client.abort_all()
+
+
+def _in_flight(client: CoreClient, serving: OpenAIServing) -> int:
+    return client.num_unfinished + serving.num_beam_searches
+
 
 async def _drain(client: CoreClient, serving: OpenAIServing, server: DrainingServer, timeout: float) -> None:
     """Refuse new requests (503), let running ones finish for up to `timeout` seconds, abort the rest, exit."""
     serving.accepting = False
-
-    def in_flight() -> int:
-        return client.num_unfinished + serving.num_beam_searches
-
-    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight", timeout, in_flight())
+    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight", timeout,
+                _in_flight(client, serving))
     deadline = time.monotonic() + timeout
-    while in_flight() and client.dead_reason is None and time.monotonic() < deadline:
+    while _in_flight(client, serving) and client.dead_reason is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if in_flight():
-        logger.warning("aborting %d requests still in flight", in_flight())
-        serving.aborting = True
-        client.abort_all()
+    if _in_flight(client, serving):
+        logger.warning("aborting %d requests still in flight", _in_flight(client, serving))
+        _abort_in_flight(client, serving)
     server.should_exit = True
 
 
@@ -301,7 +320,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
         app = build_app(client, serving, options)
         uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
                                         timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")
-        server = DrainingServer(uvicorn_config, lambda s: _drain(client, serving, s, options.shutdown_timeout))
+        server = DrainingServer(uvicorn_config, lambda s: _drain(client, serving, s, options.shutdown_timeout),
+                                lambda: _abort_in_flight(client, serving))
         if options.log_stats_interval > 0:
             stats_task = asyncio.create_task(_log_stats(metrics, options.log_stats_interval))
         await server.serve(sockets=[sock])
