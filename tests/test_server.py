@@ -911,6 +911,27 @@ def test_metrics_move(server, client):
         assert name in names
 
 
+def test_metrics_count_the_finish_reason_the_client_sees(server, client):
+    """A stop string completed by the last allowed token: the client gets "stop" (vLLM's), and so does the
+    request_success counter (it counted the core's "length")."""
+    kw = dict(model="tiny", prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=6, **kw).choices[0].text
+    shorter = client.completions.create(max_tokens=5, **kw).choices[0].text
+    stop = full[len(shorter):]
+    assert stop.strip() and stop not in full[:-len(stop)]  # the 6th token's text, found nowhere earlier
+
+    def successes() -> dict[str, float]:
+        values = metric_values(server.url, AUTH)
+        return {reason: values.get(("nanoinfer:request_success_total", (("finished_reason", reason),)), 0)
+                for reason in ("stop", "length")}
+
+    before = successes()
+    out = client.completions.create(max_tokens=6, stop=[stop], **kw).choices[0]
+    assert out.finish_reason == "stop"
+    wait_for(lambda: sum(successes().values()) == sum(before.values()) + 1)
+    assert successes() == {"stop": before["stop"] + 1, "length": before["length"]}
+
+
 def delta(text: str, tokens: list[int], finish: str | None = None):
     """One engine delta of request r-0: `text` for the new `tokens`, each with logprob -1."""
     from nanoinfer.outputs import CompletionOutput, RequestOutput

@@ -87,9 +87,10 @@ class OutputProcessor:
                         ) -> tuple[list[RequestOutput | EmbeddingRequestOutput], dict[str, str]]:
         """Returns the updated requests' outputs, each as its RequestOutputKind asks (a
         cumulative output copies the request's tokens, which a FINAL_ONLY or DELTA request
-        never pays every step), and the children finished here, with their finish reason:
-        "stop" for a stop string, "error" when detokenizing raised (the caller must end
-        them in the core)."""
+        never pays every step), and the children whose finish reason was decided here, with
+        that reason: "stop" for a stop string, "error" when detokenizing raised. The caller
+        ends them in the core (a no-op for those the core had ended too: a stop string
+        completed by the last token) and counts them with this reason, the one the client sees."""
         touched: dict[str, ParentState] = {}
         stopped: dict[str, str] = {}
         embeddings: list[EmbeddingRequestOutput] = []
@@ -116,13 +117,11 @@ class OutputProcessor:
                 except Exception:  # fail this request only, never the batch
                     logger.exception("detokenizing %s failed: it ends with finish_reason 'error'", out.request_id)
                     child.finish_reason, child.stop_reason, stop = "error", None, None
-                    if out.finish_reason is None:
-                        stopped[out.request_id] = "error"
+                    stopped[out.request_id] = "error"
                 if stop is not None:  # as vLLM: a stop string is the reason, even where the core ended it too
                     (child.stop_reason, kept), child.finish_reason = stop, "stop"
                     new_token_ids, new_logprobs = new_token_ids[:kept], new_logprobs[:kept]
-                    if out.finish_reason is None:
-                        stopped[out.request_id] = "stop"
+                    stopped[out.request_id] = "stop"
             child.token_ids.extend(new_token_ids)
             if child.logprobs is not None:
                 sampled = [lp for lp in new_logprobs if lp is not None]

@@ -281,12 +281,10 @@ class CoreClient:
             self.waiting.discard(child_id)
             self.metrics.observe_queue_time(queue_time)
         outputs = decode_outputs(rows)
-        self.metrics.on_outputs(outputs, now)
         request_outputs, stopped = self.output_processor.process_outputs(outputs)
+        self.metrics.on_outputs(outputs, now, stopped)
         if stopped:  # stop strings (or a failed detokenization), found here, end the requests in the core
             self._send(MessageType.ABORT, list(stopped), int(RequestStatus.FINISHED_STOPPED))
-            for child_id, finish_reason in stopped.items():
-                self.metrics.finish_request(child_id, finish_reason, now)
         for output in request_outputs:
             stream = self.streams.pop(output.request_id, None) if output.finished else self.streams.get(output.request_id)
             if stream is not None:

@@ -83,7 +83,9 @@ class ServerMetrics:
     def observe_queue_time(self, seconds: float) -> None:
         self.request_queue_time.observe(max(seconds, 0.0))
 
-    def on_outputs(self, outputs: list[EngineCoreOutput], now: float) -> None:
+    def on_outputs(self, outputs: list[EngineCoreOutput], now: float, finish_reasons: dict[str, str]) -> None:
+        """`finish_reasons`: the requests the output processor ended (stop strings, failed detokenization), with
+        the reason their clients see, which wins over the core's."""
         for out in outputs:
             times = self._requests.get(out.request_id)
             if times is None:
@@ -99,8 +101,9 @@ class ServerMetrics:
             elif num_new:
                 self.inter_token_latency.observe((now - times.last_token) / num_new)
             times.last_token = now
-            if out.finish_reason is not None:
-                self.finish_request(out.request_id, out.finish_reason, now)
+            finish_reason = finish_reasons.get(out.request_id, out.finish_reason)
+            if finish_reason is not None:
+                self.finish_request(out.request_id, finish_reason, now)
 
     def finish_request(self, child_id: str, finish_reason: str, now: float) -> None:
         """Counts a request once, whichever way it ends (token stop, stop string, abort)."""
