@@ -231,6 +231,21 @@ def test_prefix_stats_count_tokens():
     assert (kv.prefix_queries, kv.prefix_hits) == (20, 8)
 
 
+def test_prefix_stats_leave_out_recomputes_and_requests_that_read_no_cache():
+    """As vLLM's: a recompute after preemption finds its own blocks again (not a prefix hit), and a request
+    with prompt logprobs makes no lookup."""
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    a = make_request("a", list(range(10)))
+    run_prefill(kv, a)
+    kv.free(a)
+    a.num_computed_tokens, a.num_preemptions = 0, 1  # preempted: recomputed from the start
+    run_prefill(kv, a)
+    logprobs = Request("b", list(range(10)), SamplingParams(max_tokens=8, prompt_logprobs=1), set(), BS, 8)
+    assert logprobs.skip_reading_prefix_cache
+    run_prefill(kv, logprobs)
+    assert (kv.prefix_queries, kv.prefix_hits) == (10, 0)
+
+
 def test_caching_disabled_never_hits_nor_registers():
     kv = KVCacheManager(num_blocks=8, block_size=BS, enable_caching=False)
     a = make_request("a", list(range(9)))

@@ -71,8 +71,10 @@ class KVCacheManager:
                 if not blocks:
                     del self.req_to_blocks[request.request_id]
                 return None
-            if self.enable_caching and request.num_computed_tokens == 0:
-                # Admission (first or after preemption): count the lookup once it succeeded.
+            if (self.enable_caching and request.num_computed_tokens == 0 and request.num_preemptions == 0
+                    and not request.skip_reading_prefix_cache):
+                # A first admission's lookup, once it succeeded (vLLM's counts: a recompute after preemption
+                # finds its own blocks, and a request that reads no cache made no lookup).
                 self.prefix_queries += request.num_tokens
                 self.prefix_hits += num_new_computed_tokens
             if new_computed_blocks:
