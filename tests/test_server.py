@@ -174,6 +174,19 @@ def test_health_models_version(server, client):
         assert response.status_code == 404 and "--runner pooling" in response.json()["error"]["message"]
 
 
+def test_a_kv_cache_shorter_than_the_context_is_what_the_server_reports(model_path, smollm2_path, tmp_path):
+    """128 tokens of KV cache under a 512-token context: a warning at start-up, and /v1/models and /tokenize
+    give the length a request can really have (clients size their prompts from it)."""
+    srv = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
+                        "--num-kv-blocks", "8", "--block-size", "16")
+    try:
+        assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["max_model_len"] == 128
+        assert httpx.post(f"{srv.url}/tokenize", json={"prompt": "hi"}).json()["max_model_len"] == 128
+        assert "the KV cache holds 128 tokens, fewer than max_model_len (512)" in srv.log()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
 def test_tokenize_detokenize(server, offline):
     text = "Hello there, general Kenobi!"
     tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": text}).json()

@@ -155,6 +155,11 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s on %s)", self.num_blocks,
                     config.block_size, self.num_blocks * config.block_size,
                     self.num_blocks * self.runner.kv_block_bytes / 2**30, self.runner.kv_cache_dtype, self.device)
+        if self.num_blocks * config.block_size < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len (%d): no request may pass %d "
+                           "tokens, prompt and output together; give the cache more memory, or set max_model_len "
+                           "to fit", self.num_blocks * config.block_size, self.max_model_len,
+                           self.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.num_blocks, self.max_model_len)
         self.debug_checks = os.environ.get("NANOINFER_DEBUG_CHECKS", "0") == "1"
         # Overlap host work with the device: plan step N+1 while step N runs (also with TP:

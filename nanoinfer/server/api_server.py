@@ -177,7 +177,7 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "nanoinfer", "root": client.model_path,
-             "max_model_len": client.limits.max_model_len} for name in options.served_model_names]}
+             "max_model_len": client.limits.max_tokens_per_request} for name in options.served_model_names]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -328,7 +328,8 @@ class OpenAIServing:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
         token_ids = await self._tokenizing(raw, self._token_ids, req)
-        return {"count": len(token_ids), "max_model_len": self.client.limits.max_model_len, "tokens": token_ids}
+        limit = self.client.limits.max_tokens_per_request  # the context, or the KV cache when it holds less
+        return {"count": len(token_ids), "max_model_len": limit, "tokens": token_ids}
 
     def _token_ids(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
