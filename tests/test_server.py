@@ -402,6 +402,10 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
         assert usage.prompt_tokens == len(ids)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # without echo there is nothing to return
         client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    # A wider prompt_logprobs (its own field) leaves the echoed prompt's top lists at logprobs' width (vLLM's).
+    wide = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "prompt_logprobs": 5}}).choices[0]
+    assert wide.logprobs.top_logprobs[1:] == out.logprobs.top_logprobs[1:]
+    assert all(len(p) == 6 for p in wide.model_extra["prompt_logprobs"][1:])
 
 
 def test_allowed_token_ids_restrict_the_reply(client, offline):

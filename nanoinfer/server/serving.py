@@ -230,9 +230,12 @@ class OpenAIServing:
                     prompt_logprobs[d.output.request_id] = d.output.prompt_logprobs
                 logprobs = self._completion_logprobs(c.token_ids, c.logprobs, echoed[d.index] + d.text_offset)
                 if echo:
-                    known = prompt_logprobs.get(d.output.request_id)  # none if it ended before its first token
-                    prompt = self._completion_logprobs(d.output.prompt_token_ids,
-                                                       known or [None] * len(d.output.prompt_token_ids), 0)
+                    ids = d.output.prompt_token_ids
+                    known = prompt_logprobs.get(d.output.request_id) or [None] * len(ids)  # none: ended first
+                    # As wide as the generated tokens' (a larger prompt_logprobs computed them): the token, top-n.
+                    known = [lp and {i: v for i, v in lp.items() if i == t or v.rank <= req.logprobs}
+                             for t, lp in zip(ids, known)]
+                    prompt = self._completion_logprobs(ids, known, 0)
                     logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
             return {"index": d.index, "text": echo + c.text, "logprobs": logprobs,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
