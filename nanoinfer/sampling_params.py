@@ -140,7 +140,7 @@ class StructuredOutputsParams:
         """One grammar, one key (for caching its compilation)."""
         value = "" if self.json_object else getattr(self, self.kind)
         compact = "compact " if self.disable_any_whitespace and self.kind in ("json", "json_object") else ""
-        return compact + self.kind, value if isinstance(value, str) else "\x00".join(value)
+        return compact + self.kind, value if isinstance(value, str) else json.dumps(value)  # (choices: unambiguous)
 
 
 @dataclass

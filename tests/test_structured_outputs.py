@@ -232,3 +232,30 @@ def test_offline_a_grammar_compiles_once(smol: LLM, monkeypatch) -> None:
     out = smol.generate(["a", "b"], constrained(spec, max_tokens=8, n=2), use_tqdm=False)
     assert all(re.fullmatch(r"[0-9]{2}-once", c.text) for o in out for c in o.outputs)
     assert calls == [spec]
+
+
+def test_grammar_keys_are_unambiguous(smol: LLM) -> None:
+    """A choice holding the separator of an old key ("yes\\0no") is its own grammar: its failed compilation is not
+    another client's ["yes", "no"], nor the other way round."""
+    bad, good = StructuredOutputsParams(choice=["yes\x00no"]), StructuredOutputsParams(choice=["yes", "no"])
+    assert bad.key != good.key
+    compiler = smol.engine.core.runner.grammar_compiler()
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        compiler.compile_async(bad).result()
+    assert compiler.compile_async(good).result() is not None
+
+
+def test_a_grammar_held_by_a_request_outlives_the_cache(smol: LLM, monkeypatch) -> None:
+    """A request's grammar stays compiled while the request holds it, however many grammars came after: its matcher
+    (first sampling, or after a preemption) never compiles it again inside a step."""
+    from nanoinfer.sample.structured import GrammarCompiler
+
+    calls = []
+    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: calls.append(spec.regex) or object())
+    compiler = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
+    held = compiler.compile_async(StructuredOutputsParams(regex="held"))
+    for i in range(300):
+        compiler.compile_async(StructuredOutputsParams(regex=f"r{i}")).result()
+    assert compiler.compile_async(StructuredOutputsParams(regex="held")) is held
+    compiler.compile_async(StructuredOutputsParams(regex="r0")).result()  # not held, and pushed out by 256 later
+    assert calls.count("held") == 1 and calls.count("r0") == 2 and calls.count("r299") == 1

@@ -13,6 +13,7 @@ request's matcher, fed every sampled token (also those a preemption replays)."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # the latest 256 grammars
+        # Every grammar still held elsewhere (a request's, from admission to its end), however many came since.
+        self._held: weakref.WeakValueDictionary[tuple[str, str], Future] = weakref.WeakValueDictionary()
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first bitmask
         self._accepting: ThreadPoolExecutor | None = None  # threads that feed sampled tokens to large batches
         # Once a matcher has accepted a stop token only stop tokens may follow (the output is complete): a step
@@ -48,14 +51,18 @@ class GrammarCompiler:
                                           .view(np.int32))
 
     def compile_async(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `spec`, compiled in this compiler's thread (once per grammar while it is among
-        the latest 256)."""
+        """The compiled grammar of `spec`, compiled in this compiler's thread: once per grammar while it is among
+        the latest 256, or while a request holds it (its matcher is made from it, at its first sampling or after
+        a preemption, without compiling again inside a step)."""
         key = spec.key
-        if key not in self._compiled:
-            self._compiled[key] = self._thread.submit(self.compile, spec)
-            if len(self._compiled) > 256:
-                self._compiled.popitem(last=False)
-        return self._compiled[key]
+        future = self._held.get(key)
+        if future is None:
+            future = self._held[key] = self._thread.submit(self.compile, spec)
+        self._compiled[key] = future
+        self._compiled.move_to_end(key)
+        if len(self._compiled) > 256:
+            self._compiled.popitem(last=False)
+        return future
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec`; ValueError naming what is wrong."""
