@@ -345,6 +345,10 @@ def test_required_schema_lifts_the_tools_defs():
     other = {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"City": {"type": "string"}}}}}
     with pytest.raises(ValueError, match="define \\$defs 'City' differently"):
         required_schema([trip, other], parallel=True)
+    for bad in (5, []):  # a 500 (AttributeError) before
+        odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "$defs": bad}}}
+        with pytest.raises(ValueError, match="\\$defs of a tool's parameters must be an object"):
+            required_schema([odd], parallel=True)
 
 
 # ----- offline: the chat template sees the tools -----

@@ -35,7 +35,10 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
     calls, defs = [], {}
     for tool in tools:
         parameters = dict(tool["function"].get("parameters") or _EMPTY_PARAMETERS)
-        for name, schema in parameters.pop("$defs", {}).items():
+        tool_defs = parameters.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise ValueError(f"tools: the $defs of a tool's parameters must be an object, got {tool_defs!r:.40}")
+        for name, schema in tool_defs.items():
             if defs.setdefault(name, schema) != schema:
                 raise ValueError(f"tools: two tools define $defs {name!r:.80} differently")
         calls.append({"type": "object",
