@@ -3,6 +3,8 @@ streamed; and chat_template_kwargs, the template variables that turn thinking on
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,10 +30,22 @@ def read(parser: str, pieces: list[str]) -> tuple[str, str]:
     ("deepseek_r1", "weigh it</think>Paris.", ("weigh it", "Paris.")),  # <think> opened in the prompt
     ("deepseek_r1", "still thinking", ("still thinking", "")),
     ("deepseek_r1", "a</think>b</think>c", ("a", "b</think>c")),
+    ("deepseek_r1", "\n<think>\nweigh it</think>Paris.", ("\nweigh it", "Paris.")),  # the model opened it again
+    ("deepseek_r1", "<thi", ("<thi", "")),
 ])
 def test_reasoning_apart_from_content(parser, text, expected):
     assert read(parser, [text]) == expected
     assert read(parser, list(text) + [""]) == expected  # a character at a time, as a stream may deliver it
+
+
+def test_a_constrained_reply_reasons_only_where_its_grammar_opens_think():
+    """deepseek_r1 opens <think> in the prompt, but a grammar's reply (a JSON object, tool calls) never closes it:
+    read as reasoning it was all reasoning_content, its content and calls empty."""
+    for parser in ("qwen3", "deepseek_r1"):
+        reader = reasoning_reader(parser, constrained=True)
+        assert reader.feed('{"city": "Paris"}', True) == ("", '{"city": "Paris"}')
+        reader = reasoning_reader(parser, constrained=True)
+        assert reader.feed("<think>a</think>{}", True) == ("a", "{}")
 
 
 @settings(max_examples=200, deadline=None)
@@ -67,3 +81,27 @@ def test_chat_template_kwargs_reach_the_template(tmp_path_factory, smollm2_path)
         for reserved in ("chat_template", "tokenize", "messages"):  # variables only, not how the template renders
             with pytest.raises(ValueError, match=f"chat_template_kwargs may not set \\['{reserved}'\\]"):
                 text(chat_template_kwargs={reserved: "x"})
+
+
+def test_deepseek_r1_server_leaves_a_grammars_reply_in_content(tmp_path_factory, smollm2_path, tmp_path):
+    """--reasoning-parser deepseek_r1 with a JSON schema: the JSON is the content (it was all reasoning_content,
+    content empty); reasoning only where the grammar writes a <think> block."""
+    import httpx
+    from test_server import launch_server, tiny_model_with_smollm2_vocab
+
+    server = launch_server(str(tmp_path / "server.log"), tiny_model_with_smollm2_vocab(tmp_path_factory),
+                           "--tokenizer", smollm2_path, "--reasoning-parser", "deepseek_r1")
+    try:
+        body = {"messages": [{"role": "user", "content": "City?"}], "max_tokens": 40, "temperature": 0}
+        schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+                  "required": ["city"], "additionalProperties": False}
+        compact = {"structured_outputs": {"json": schema, "disable_any_whitespace": True}}  # (no blanks to pad)
+        constrained = httpx.post(f"{server.url}/v1/chat/completions", json=body | compact,
+                                 timeout=120).json()["choices"][0]["message"]
+        assert json.loads(constrained["content"]) == {"city": "Paris"} and constrained["reasoning_content"] is None
+        forced = {"structured_outputs": {"regex": "<think>plan</think>done"}}  # a grammar that writes reasoning
+        message = httpx.post(f"{server.url}/v1/chat/completions", json=body | forced, timeout=120).json()
+        message = message["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("plan", "done")
+    finally:
+        assert server.stop() == 0, server.log()

@@ -265,6 +265,7 @@ class OpenAIServing:
             return [self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools,
                                      req.chat_template_kwargs)]
 
+        constrained = False  # a grammar from the first token: reasoning only where it writes <think> (reasoning.py)
         if req.use_beam_search:
             stream = await self._beam_search(request_id, prompts, req, max_tokens, renames, raw)
             if stream is None:  # the client went away
@@ -274,6 +275,7 @@ class OpenAIServing:
                                            renames)
             if req.effective_tool_choice == "auto":  # as vLLM's: a tokenizer may mark <tool_call> special
                 params = dataclasses.replace(params, skip_special_tokens=False)
+            constrained = params.structured_outputs is not None
             stream = await self.generate(request_id, prompts, params, req, renames, raw)
         # Per choice, the readers its text goes through: reasoning apart from content, then tool calls out of it.
         readers: dict[int, tuple[ThinkReasoning | None, ToolCallExtractor | None]] = {}
@@ -281,7 +283,7 @@ class OpenAIServing:
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
             if d.index not in readers:
-                readers[d.index] = (self.reasoning_parser and reasoning_reader(self.reasoning_parser),
+                readers[d.index] = (self.reasoning_parser and reasoning_reader(self.reasoning_parser, constrained),
                                     req.tool_call_extractor(self.tool_call_parser))
             reasoner, extractor = readers[d.index]
             final = c.finish_reason is not None
@@ -296,7 +298,7 @@ class OpenAIServing:
                 if reasoning and req.include_reasoning:
                     message["reasoning_content"] = reasoning
             else:  # a whole reply: no call indexes, and no content beside calls unless there was some
-                message = {"role": "assistant", "content": None if calls and not content else content}
+                message = {"role": "assistant", "content": None if not content and (calls or reasoning) else content}
                 if reasoner is not None and req.include_reasoning:
                     message["reasoning_content"] = reasoning or None
                 calls = [{key: value for key, value in call.items() if key != "index"} for call in calls]
