@@ -771,6 +771,7 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"4200000": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"42": "high"}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {}}, 400, "response_format"),  # type required
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400,
      "structured_outputs"),

@@ -177,7 +177,7 @@ class GenerationRequest(_Body):
                 names = list(guided) + ["structured_outputs"] * (structured is not None)
                 raise ApiError(400, f"give one way of constraining the output, got {names}", names[0])
             structured = {name.removeprefix("guided_"): value for name, value in guided.items()}
-        kind = None if self.response_format is None else self.response_format.get("type")
+        kind = None if self.response_format is None else self.response_format.get("type", "(none)")
         if kind not in (None, "text", "json_object", "json_schema"):
             raise ApiError(400, f"response_format type must be text, json_object or json_schema, got {kind!r:.40}",
                            "response_format")
