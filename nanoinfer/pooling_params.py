@@ -104,6 +104,8 @@ class PoolerConfig:
 def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
     """vLLM's pairing of a score request's two sides: one text against each of the other side's, or the two
     sides element by element."""
+    if not num_1 or not num_2:
+        raise ValueError("each side of a score request needs at least one text")
     if num_1 == 1:
         return [(0, j) for j in range(num_2)]
     if num_1 == num_2:

@@ -173,6 +173,8 @@ def test_score_is_the_cosine_of_each_pairs_embeddings(embedding_model):
     assert llm.score(PROMPTS[1], PROMPTS[1], use_tqdm=False)[0].outputs.score == pytest.approx(1.0, abs=1e-6)
     with pytest.raises(ValueError, match="first side of a score request has 2 texts and the second 3"):
         llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
+    with pytest.raises(ValueError, match="each side of a score request needs at least one text"):  # vLLM's too
+        llm.score(PROMPTS[0], [], use_tqdm=False)
 
 
 @settings(max_examples=100, deadline=None)

@@ -70,6 +70,8 @@ def test_queue_bound_then_sigterm_drain(model_path, smollm2_path, tmp_path):
         assert "waiting queue is full" in response.json()["error"]["message"]
         never = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "n": 2})  # could never fit
         assert never.status_code == 400 and "places in the waiting queue" in never.json()["error"]["message"]
+        beams = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "n": 2, "use_beam_search": True})
+        assert beams.status_code == 400 and "places in the waiting queue" in beams.json()["error"]["message"]
 
         server.proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()

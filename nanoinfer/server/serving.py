@@ -436,6 +436,7 @@ class OpenAIServing:
             params = req.beam_search_params(self.client.input_processor.check_length(longest, max_tokens),
                                             self.client.limits.max_logprobs)
             self.client.check_output_tokens(params.beam_width * params.max_tokens * len(prompts), max_tokens is None)
+            self.client.limits.check_waiting_room(0, params.beam_width * len(prompts))  # each step's beams
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), _param(str(e), renames)) from None
         searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
