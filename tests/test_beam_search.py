@@ -96,6 +96,8 @@ def test_bad_beam_search_params_are_clear_errors(llm):
     with pytest.raises(ValueError, match=r"beam_width 11 asks for 22 logprobs per step, more than the engine's "
                                          r"max_logprobs \(20\): at most 10"):
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match=r"beam_width 2361183241434822606848 asks for"):  # named, not "logprobs"
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2**71, max_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.beam_search([[10**6]], BeamSearchParams(beam_width=2, max_tokens=2))
 

@@ -42,7 +42,7 @@ class BeamSearchParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
-        self.step_params()  # the temperature is checked as sampling checks it
+        SamplingParams(temperature=self.temperature)  # checked as sampling checks it (the width: check_width)
 
     def check_width(self, max_logprobs: int) -> None:
         """An engine refuses requests for more than its max_logprobs logprobs: say so in the search's terms."""
