@@ -167,7 +167,7 @@ def test_health_models_version(server, client):
     import nanoinfer
 
     assert version == {"version": nanoinfer.__version__}
-    with pytest.raises(openai.NotFoundError, match="needs a server started with --runner pooling"):
+    with pytest.raises(openai.NotFoundError, match="need a server started with --runner pooling"):
         client.embeddings.create(model="tiny", input="hi")
     for path, body in (("/v1/score", {"queries": "a", "documents": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})):
         response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH)
