@@ -19,7 +19,8 @@ SAMPLING_FLAGS = {  # flag -> (SamplingParams field, type, default, help)
     "--top-k": ("top_k", int, 0, "sample from the k most likely tokens (0 = off)"),
     "--min-p": ("min_p", float, 0.0, "drop tokens below min_p x the top probability"),
     "--repetition-penalty": ("repetition_penalty", float, 1.0, "penalise tokens already seen"),
-    "--sampling-seed": ("seed", int, None, "seed of the request's sampling (reproducible output)"),
+    "--sampling-seed": ("seed", int, None, "seed of the request's sampling, for reproducible output "
+                                           "(unset: the engine's random stream, seeded by --seed)"),
     "--stop": ("stop", str, None, "stop when this string is generated (repeatable)"),
     "--ignore-eos": ("ignore_eos", bool, False, "keep generating past the end-of-sequence token"),
 }
@@ -32,18 +33,45 @@ def _field_type(f: dataclasses.Field) -> type:
     return hint
 
 
-def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+def json_object(text: str) -> dict:
+    """A flag's JSON object, or an argparse error that says what is wrong with it."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    return value
+
+
+class _TextRunner(argparse.Action):
+    """--runner of `generate` and `chat`: they print text, so `pooling` (embeddings) is refused before any loading."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if values == "pooling":
+            raise argparse.ArgumentError(self, "pooling makes embeddings, which generate and chat do not print; use "
+                                               "`nanoinfer serve MODEL --runner pooling` (/v1/embeddings) or LLM.embed")
+        setattr(namespace, self.dest, values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (), text_only: bool = False) -> None:
+    """One flag per EngineConfig field; `text_only`: the command prints generated text (--runner pooling refused)."""
     group = parser.add_argument_group("engine arguments")
     for f in dataclasses.fields(EngineConfig):
         if f.name in skip:
             continue
         flag, kind = "--" + f.name.replace("_", "-"), _field_type(f)
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        # A default of None means "unset": the help says what that does, where it matters.
+        help_text = f.metadata["help"] if f.default is None else f"{f.metadata['help']} (default: {f.default})"
+        text_runner = text_only and f.name == "runner"
+        if text_runner:
+            help_text += "; this command takes generate only (embeddings: serve --runner pooling, LLM.embed)"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:  # a dict is given as JSON
-            group.add_argument(flag, type=json.loads if kind is dict else kind, default=f.default,
-                               choices=f.metadata.get("choices"), help=help_text)
+            group.add_argument(flag, type=json_object if kind is dict else kind, default=f.default,
+                               choices=f.metadata.get("choices"), help=help_text,
+                               action=_TextRunner if text_runner else "store")
 
 
 def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
@@ -52,15 +80,20 @@ def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Unset flags are None: `sampling_params` tells them from given ones."""
+    from nanoinfer.loader.resolve import _GENERATION_FIELDS  # what generation_config.json may set
+
     group = parser.add_argument_group("sampling arguments")
-    for flag, (_, kind, default, help_text) in SAMPLING_FLAGS.items():
+    for flag, (name, kind, default, help_text) in SAMPLING_FLAGS.items():
         if kind is bool:
             group.add_argument(flag, action="store_true", default=None, help=help_text)
         elif flag == "--stop":
             group.add_argument(flag, action="append", help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=None,
-                               help=f"{help_text} (default: the model's generation_config.json, else {default})")
+            if name in _GENERATION_FIELDS.values():
+                help_text += f" (default: the model's generation_config.json, else {default})"
+            elif default is not None:
+                help_text += f" (default: {default})"
+            group.add_argument(flag, type=kind, default=None, help=help_text)
 
 
 def sampling_params(args: argparse.Namespace, model_defaults: dict):
@@ -130,13 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     add_sampling_args(gen)
-    add_engine_args(gen)
+    add_engine_args(gen, text_only=True)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat through the model's chat template")
     chat.add_argument("--system", default=None, help="a system message")
     add_sampling_args(chat)
-    add_engine_args(chat)
+    add_engine_args(chat, text_only=True)
     chat.set_defaults(func=cmd_chat)
 
     from nanoinfer.server.cli import add_serve_parser  # light: the server's heavy imports happen on `serve`

@@ -46,7 +46,7 @@ def read_chat_template(value: str | os.PathLike) -> str:
 
 @dataclass
 class EngineConfig:
-    model: str | None = _arg(None, "model folder (config.json + safetensors), a .gguf file, or None for the embedded SmolLM2-135M-Instruct")
+    model: str | None = _arg(None, "model folder (config.json + safetensors), a .gguf file, or a config.json for dummy weights; omit it for the embedded SmolLM2-135M-Instruct")
     tokenizer: str | None = _arg(None, "tokenizer folder or .gguf file (default: the model's)")
     chat_template: str | None = _arg(None, "chat template replacing the tokenizer's (for a model without one, or to change it): a Jinja file, or the template itself")
     load_format: str = _arg("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
@@ -62,17 +62,17 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = _arg(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: sized by gpu_memory_utilization)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the byte budgets; for tests)")
-    enforce_eager: bool = _arg(False, "disable CUDA graphs")
+    enforce_eager: bool = _arg(False, "on a GPU, run without CUDA graphs, the fused kernels (add + RMSNorm, SiLU-and-mul; torch.compile) and the skinny matmul (cuBLAS everywhere): for checking")
     async_scheduling: bool = _arg(True, "plan the next step while the current one runs")
     attention_backend: str = _arg("auto", "attention implementation (auto: triton on GPU, torch on CPU)", ("auto", "torch", "triton"))
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))
     tensor_parallel_size: int = _arg(1, "number of tensor-parallel ranks")
     max_num_waiting: int | None = _arg(None, "bound on waiting requests; add_request fails when full (server: 503), "
-                                             "generate() of more at once is refused")
+                                             "generate() of more at once is refused (default: no bound)")
     generation_config: str = _arg("auto", "default sampling parameters of requests that leave them unset: auto takes temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens from the model folder's generation_config.json (as vLLM does); vllm ignores it; or a folder with a generation_config.json")
     runner: str = _arg("generate", "what the model does: generate text, or pool its hidden states into embeddings (LLM.embed, /v1/embeddings)", ("generate", "pooling"))
     max_logprobs: int = _arg(20, "most logprobs a request may ask for (logprobs, prompt_logprobs; beam search asks for 2 x its width), as vLLM's; -1: up to the vocabulary")
-    speculative_config: dict | None = _arg(None, 'speculative decoding by n-gram lookup, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}: each step checks up to K draft tokens copied from where the newest N..M tokens occurred before in the prompt or output; the output is unchanged, steps yield up to K + 1 tokens (turns async_scheduling off)')
+    speculative_config: dict | None = _arg(None, 'speculative decoding by n-gram lookup, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}: each step checks up to K draft tokens copied from where the newest N..M tokens occurred before in the prompt or output; the output is unchanged, steps yield up to K + 1 tokens (turns async_scheduling off; default: off)')
     pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
 
     def __post_init__(self) -> None:

@@ -25,6 +25,27 @@ def test_help_lists_every_engine_argument() -> None:
     out = run(["generate", "--help"]).stdout
     for f in dataclasses.fields(EngineConfig):
         assert "--" + f.name.replace("_", "-") in out
+    assert "(default: None)" not in " ".join(out.split())  # unset is said in words, once
+
+
+def test_json_flags_say_what_is_wrong() -> None:
+    """A flag that takes JSON names the problem (it was argparse's "invalid loads value"), before any loading."""
+    for command in (["generate", "x"], ["serve", "--port", "0"]):
+        proc = run([*command, "--speculative-config", "notjson"])
+        assert proc.returncode == 2 and "argument --speculative-config: 'notjson' is not valid JSON" in proc.stderr
+        assert "loads" not in proc.stderr
+        proc = run([*command, "--pooler-config", "[1]"])
+        assert proc.returncode == 2 and "argument --pooler-config: '[1]' is not a JSON object" in proc.stderr
+
+
+def test_generate_and_chat_refuse_the_pooling_runner(tmp_path) -> None:
+    """They print text: --runner pooling is an argparse error before the model loads (it loaded the model, then
+    failed on "PoolingParams, not SamplingParams"). The missing model shows nothing was loaded."""
+    missing = str(tmp_path / "missing")
+    for command in (["generate", "x"], ["chat"]):
+        proc = run([*command, "--runner", "pooling", "--model", missing], stdin="")
+        assert proc.returncode == 2 and "argument --runner: pooling makes embeddings" in proc.stderr, proc.stderr
+        assert "does not exist" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_generate_streams_greedy_text(smollm2_path) -> None:

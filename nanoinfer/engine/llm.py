@@ -121,8 +121,8 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Without `sampling_params`, the model's
-        defaults (`get_default_sampling_params`); `priority`: one per prompt (lower runs first), read under
-        scheduling_policy="priority"."""
+        defaults (`get_default_sampling_params`); `priority`: one per prompt (lower runs first), under
+        scheduling_policy="priority" only: otherwise a non-zero priority is a ValueError (as vLLM's)."""
         return self._submit(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params,
                             use_tqdm, priority)
 
