@@ -177,8 +177,8 @@ def test_grammars_hold_through_preemption(smollm2_path, async_scheduling: bool) 
 
 
 def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, monkeypatch, tmp_path_factory) -> None:
-    """The core compiles a grammar in its own thread and admits the request when it is done: meanwhile the
-    running requests go on."""
+    """The core compiles a grammar in threads of its own and admits the request when it is done: meanwhile the
+    running requests go on, and so does a request whose grammar compiles quickly (it waited behind the slow one)."""
     import threading
     import time
 
@@ -202,12 +202,16 @@ def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, m
     engine.input_processor.check_grammar = lambda spec: None
     engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     engine.add_request("constrained", [4, 5, 6], constrained(StructuredOutputsParams(regex="slow"), max_tokens=8))
-    plain_tokens = 0
+    engine.add_request("quick", [7, 8, 9], constrained(StructuredOutputsParams(regex="quick"), max_tokens=8))
+    plain_tokens, quick = 0, None
     for _ in range(20):
         for out in engine.step():
-            assert out.request_id == "plain"  # the constrained one waits for its grammar
-            plain_tokens = len(out.outputs[0].token_ids)
-    assert plain_tokens >= 15
+            assert out.request_id in ("plain", "quick")  # the slow one waits for its grammar
+            if out.request_id == "plain":
+                plain_tokens = len(out.outputs[0].token_ids)
+            elif out.finished:
+                quick = out.outputs[0].text
+    assert plain_tokens >= 15 and quick == "quick"
     assert [r.request_id for r in engine.core.scheduler.waiting] == ["constrained@1"]
     while "plain@0" in engine.core.scheduler.requests or engine.core.in_flight is not None:
         engine.step()
@@ -259,3 +263,39 @@ def test_a_grammar_held_by_a_request_outlives_the_cache(smol: LLM, monkeypatch) 
     assert compiler.compile_async(StructuredOutputsParams(regex="held")) is held
     compiler.compile_async(StructuredOutputsParams(regex="r0")).result()  # not held, and pushed out by 256 later
     assert calls.count("held") == 1 and calls.count("r0") == 2 and calls.count("r299") == 1
+
+
+def test_the_server_compiles_a_slow_grammar_beside_other_work(smol: LLM, monkeypatch) -> None:
+    """The API process: a grammar compiles in the compiler's threads, awaited on the event loop, so while a slow
+    one compiles, another grammar compiles and the tokenizer thread (large bodies) is free; it held up both (a
+    7,000-property schema: 19.6 s for a `choice` request, 9.8 s for a plain large body). A client that leaves
+    does not cancel the compile other requests of the same grammar share."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from nanoinfer.sample.structured import GrammarCompiler
+    from nanoinfer.server.serving import OpenAIServing
+
+    release = threading.Event()
+    compile_ = GrammarCompiler.compile
+    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: (spec.regex != "slow" or release.wait(60))
+                        and compile_(self, spec))
+    compiler = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
+    client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_compiler=lambda: compiler))
+    serving = OpenAIServing(client, ["m"])
+    slow = StructuredOutputsParams(regex="slow")
+
+    async def run() -> None:
+        first = asyncio.create_task(serving._compiled(slow))
+        leaving = asyncio.create_task(serving._compiled(slow))
+        await asyncio.wait_for(serving._compiled(StructuredOutputsParams(regex="quick")), 30)
+        assert await asyncio.get_running_loop().run_in_executor(serving.tokenizer_thread, lambda: "free") == "free"
+        leaving.cancel()
+        await asyncio.sleep(0.05)
+        assert not first.done() and not compiler.compile_async(slow).cancelled()
+        release.set()
+        await asyncio.wait_for(first, 30)
+
+    asyncio.run(run())
+    assert compiler.compile_async(slow).result() is not None

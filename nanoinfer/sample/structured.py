@@ -4,9 +4,9 @@ the tokenizer's vocabulary and, per request, a matcher follows the tokens sample
 the tokens allowed next; the sampler sets every other token's logit to -inf.
 
 The front end compiles a request's grammar at admission, off the server's event loop (a bad schema is the
-caller's error, before anything enters the engine). The engine core compiles it in a thread of its own (xgrammar
-releases the GIL; a wide schema takes seconds), and the scheduler admits the request only once that is done, so
-a slow grammar delays its own request, never the running ones. Offline both sides share the core's compiler, so
+caller's error, before anything enters the engine). The engine core compiles it too, in threads of its own
+(xgrammar releases the GIL; a wide schema takes seconds), and the scheduler admits the request only once that is
+done, so a slow grammar delays its own request, never the running ones nor (several threads) other grammars. Offline both sides share the core's compiler, so
 a grammar compiles once; the server's two processes each compile it. The sampling rank then makes the
 request's matcher, fed every sampled token (also those a preemption replays)."""
 
@@ -23,6 +23,7 @@ import torch
 
 from nanoinfer.sampling_params import StructuredOutputsParams
 
+_COMPILE_THREADS = 4
 _THREADED_ROWS = 16  # rows from which matchers are fed and bitmasks filled in threads (H200 host: threads
 # cost more than they save at 1-15 rows, and save at 17-64)
 
@@ -37,7 +38,8 @@ class GrammarCompiler:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info)
         self.vocab_size = vocab_size
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        # Several at once: a slow grammar (a wide schema takes seconds) does not hold up the others behind it.
+        self._thread = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="grammar")
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # the latest 256 grammars
         # Every grammar still held elsewhere (a request's, from admission to its end), however many came since.
         self._held: weakref.WeakValueDictionary[tuple[str, str], Future] = weakref.WeakValueDictionary()
@@ -51,7 +53,7 @@ class GrammarCompiler:
                                           .view(np.int32))
 
     def compile_async(self, spec: StructuredOutputsParams) -> Future:
-        """The compiled grammar of `spec`, compiled in this compiler's thread: once per grammar while it is among
+        """The compiled grammar of `spec`, compiled in this compiler's threads: once per grammar while it is among
         the latest 256, or while a request holds it (its matcher is made from it, at its first sampling or after
         a preemption, without compiling again inside a step)."""
         key = spec.key

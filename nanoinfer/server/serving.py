@@ -7,6 +7,7 @@ endpoints (pooling.py) admit their texts through the same `generate`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -25,7 +26,7 @@ from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.pooling_params import PoolingParams
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
@@ -160,23 +161,35 @@ class OpenAIServing:
         self.accepting = True  # False while draining for shutdown
         self.num_beam_searches = 0  # in flight: a drain waits for them too (between steps none of theirs runs)
         self.aborting = False  # the drain's time is up: beam searches take no further step
-        # Large requests are tokenized here, and grammars compiled (`_tokenizing`), one at a time in arrival order.
+        # Large requests are tokenized here (`_tokenizing`), one at a time in arrival order; grammars compile in
+        # their compiler's own threads (`_compiled`).
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
         if self.tokenizer is not None:
             # transformers clears a tokenizer.json's truncation / padding on the first encode: a write that would
             # race with the event loop's decodes ("Already borrowed") if it first happened in the thread.
             self.tokenizer.encode("warm-up")
 
-    async def _tokenizing(self, raw: Request, fn: Callable, *args, grammar: bool = False):
-        """fn(*args), which tokenizes (or renders a chat template, or compiles a `grammar`), where it cannot stall
-        the streams in flight: in the tokenizer thread for a large body or a grammar (the tokenizer and xgrammar
-        release the GIL: 2 MB of text took ~1.5 s on a CPU core, a schema of 1,500 properties 3.6 s, during which
-        every stream stood still), on the event loop for a small body (a few ms at most; handing every request
-        to the thread cost ~0.5 ms of median time to first token at 16 req/s on an H200 host, the thread waiting
-        for the GIL while the loop streams)."""
-        if raw.state.body_size <= _OFF_LOOP_BODY_BYTES and not grammar:
+    async def _tokenizing(self, raw: Request, fn: Callable, *args):
+        """fn(*args), which tokenizes (or renders a chat template), where it cannot stall the streams in flight:
+        in the tokenizer thread for a large body (the tokenizer releases the GIL: 2 MB of text took ~1.5 s on a
+        CPU core, during which every stream stood still), on the event loop for a small body (a few ms at most;
+        handing every request to the thread cost ~0.5 ms of median time to first token at 16 req/s on an H200
+        host, the thread waiting for the GIL while the loop streams)."""
+        if raw.state.body_size <= _OFF_LOOP_BODY_BYTES:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
+
+    async def _compiled(self, spec: StructuredOutputsParams | None) -> None:
+        """A request's grammar compiled before its admission checks it (which then finds it compiled), awaited
+        here: it compiles in the compiler's own threads (xgrammar releases the GIL; a schema of 1,500 properties
+        takes seconds), so a slow grammar delays neither the streams, nor the tokenizer thread's large bodies, nor
+        other grammars. A grammar that cannot compile is left for the admission's check to report."""
+        if spec is None or self.tokenizer is None:
+            return
+        loop = asyncio.get_running_loop()
+        compiler = await loop.run_in_executor(self.tokenizer_thread, self.client.input_processor.grammar_compiler)
+        with contextlib.suppress(ValueError):  # (shielded: a client that leaves cancels not the shared compile)
+            await asyncio.shield(asyncio.wrap_future(compiler.compile_async(spec)))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -385,8 +398,8 @@ class OpenAIServing:
             return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt)
 
         try:
-            prompts, admitted = await self._tokenizing(
-                raw, admit, grammar=getattr(params, "structured_outputs", None) is not None)
+            await self._compiled(getattr(params, "structured_outputs", None))
+            prompts, admitted = await self._tokenizing(raw, admit)
             if not (self.accepting or beam_step):  # the drain began while the prompt was tokenized
                 raise ApiError(503, "the server is shutting down")
             if self.log_prompts:
