@@ -6,8 +6,9 @@ the tokens allowed next; the sampler sets every other token's logit to -inf.
 The front end compiles a request's grammar at admission, off the server's event loop (a bad schema is the
 caller's error, before anything enters the engine). The engine core compiles it too, in threads of its own
 (xgrammar releases the GIL; a wide schema takes seconds), and the scheduler admits the request only once that is
-done, so a slow grammar delays its own request, never the running ones nor (several threads) other grammars. Offline both sides share the core's compiler, so
-a grammar compiles once; the server's two processes each compile it. The sampling rank then makes the
+done, so a slow grammar delays its own request, never the running ones nor (several threads) other grammars.
+Offline both sides share the core's compiler, so a grammar compiles once; the server's two processes each compile
+it. The sampling rank then makes the
 request's matcher, fed every sampled token (also those a preemption replays)."""
 
 from __future__ import annotations

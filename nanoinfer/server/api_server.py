@@ -260,20 +260,19 @@ def _abort_in_flight(client: CoreClient, serving: OpenAIServing) -> None:
     client.abort_all()
 
 
-def _in_flight(client: CoreClient, serving: OpenAIServing) -> int:
-    return client.num_unfinished + serving.num_beam_searches
-
-
 async def _drain(client: CoreClient, serving: OpenAIServing, server: DrainingServer, timeout: float) -> None:
     """Refuse new requests (503), let running ones finish for up to `timeout` seconds, abort the rest, exit."""
     serving.accepting = False
-    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight", timeout,
-                _in_flight(client, serving))
+
+    def in_flight() -> int:
+        return client.num_unfinished + serving.num_beam_searches
+
+    logger.info("shutting down: refusing new requests, waiting up to %.0f s for %d in flight", timeout, in_flight())
     deadline = time.monotonic() + timeout
-    while _in_flight(client, serving) and client.dead_reason is None and time.monotonic() < deadline:
+    while in_flight() and client.dead_reason is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if _in_flight(client, serving):
-        logger.warning("aborting %d requests still in flight", _in_flight(client, serving))
+    if in_flight():
+        logger.warning("aborting %d requests still in flight", in_flight())
         _abort_in_flight(client, serving)
     server.should_exit = True
 
