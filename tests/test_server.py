@@ -158,6 +158,7 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 def test_health_models_version(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{server.url}/ping").status_code == httpx.post(f"{server.url}/ping").status_code == 200  # vLLM's
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny", "other-name"]
     for name in ("other-name", None):  # a response names the model its request gave (vLLM's), else the first

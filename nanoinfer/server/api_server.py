@@ -134,7 +134,7 @@ async def read_json(raw: Request, limit: int) -> object:
 
 def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="nanoinfer", version=__version__)
-    public_paths = ("/health", "/metrics") if options.metrics_without_auth else ("/health",)
+    public_paths = ("/health", "/ping") + (("/metrics",) if options.metrics_without_auth else ())
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, public_paths=public_paths)
     limit = options.max_request_body_bytes
@@ -162,6 +162,8 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
         return error_response(ApiError(500, f"internal server error ({type(e).__name__})"))
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's) name for the same check, both methods
+    @app.post("/ping")
     async def health() -> Response:
         client.check_alive()
         if not serving.accepting:
