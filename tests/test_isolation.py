@@ -36,10 +36,10 @@ def server(model_path, smollm2_path, tmp_path_factory):
 # ----- the API key -----
 
 
-def test_every_endpoint_but_health_and_metrics_needs_the_key(server):
+def test_every_endpoint_but_health_ping_and_metrics_needs_the_key(server):
     schema = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
     operations = [(method.upper(), path) for path, item in schema["paths"].items() for method in item]
-    assert len(operations) == 14
+    assert len(operations) == 16
     operations += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/nothing-here"),
                    ("POST", "/v1/completions/../../etc/passwd"), ("DELETE", "/v1/models")]
     wrong = [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Bearer {API_KEY}x"},
@@ -49,7 +49,7 @@ def test_every_endpoint_but_health_and_metrics_needs_the_key(server):
     for method, path in operations:
         for headers in wrong:
             response = httpx.request(method, f"{server.url}{path}", headers=headers, json={"prompt": "hi"})
-            expected = 200 if path in ("/health", "/metrics") else 401
+            expected = 200 if path in ("/health", "/ping", "/metrics") else 401
             assert response.status_code == expected, (method, path, headers, response.text)
             if expected == 401:
                 assert response.json()["error"]["type"] == "authentication_error"

@@ -32,6 +32,7 @@ _DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API k
 # path -> (request body, content of a 200, error statuses besides 401)
 _OPERATIONS: dict[str, tuple[type[BaseModel] | None, dict | None, tuple[int, ...]]] = {
     "/health": (None, None, (503,)),
+    "/ping": (None, None, (503,)),
     "/version": (None, _JSON, ()),
     "/v1/models": (None, _JSON, ()),
     "/metrics": (None, _TEXT, ()),
