@@ -289,7 +289,19 @@ def test_synthetic_round_trip(tmp_path, arch, head_dim, tied):
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (HEADS, KV_HEADS, head_dim)
     assert config.tie_word_embeddings == tied
     assert config.rms_norm_eps == 1e-6 and config.rope_parameters["rope_theta"] == 500000.0
-    AutoModelForCausalLM.from_pretrained(folder)  # the folder is a loadable HF checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(folder)  # the folder is a loadable HF checkpoint
+    # ... and nanoinfer reads it as transformers does (a Qwen2 GGUF's config said attention_bias: nanoinfer then
+    # wanted an o_proj bias that Qwen2 never has, and refused the checkpoint).
+    from nanoinfer import LLM, SamplingParams
+
+    with LLM(folder, kv_cache_memory_bytes=4 << 20) as llm:
+        got = llm.generate([[3, 5, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    sequence = [3, 5, 7]
+    with torch.no_grad():
+        for _ in range(4):
+            sequence.append(int(hf(torch.tensor([sequence])).logits[0, -1].argmax()))
+    assert got == sequence[3:]
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.convert_ids_to_tokens(tokenizer.encode("hello")) == ["hello"]

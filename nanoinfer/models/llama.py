@@ -1,7 +1,8 @@
 """The Llama decoder family in one implementation: Llama 2/3, SmolLM2, Mistral,
 Qwen2 and Qwen3 differ only in flags read from the HF config:
 
-* `attention_bias` (Llama, Qwen3): bias on q/k/v/o; Qwen2 always has a q/k/v bias and none on o;
+* `attention_bias` (Llama, Qwen3): bias on q/k/v/o; Qwen2 always has a q/k/v bias and none on o, whatever
+  its config says (a config converted from a Qwen2 GGUF says true); `mlp_bias`: Llama's only;
 * Qwen3 normalises each query and key head (RMSNorm over head_dim) before RoPE;
 * `tie_word_embeddings`: the LM head reuses the embedding matrix.
 
@@ -41,8 +42,8 @@ class LlamaAttention(nn.Module):
             config.hidden_size, head_dim, num_heads, num_kv_heads, bias=attention_bias or config.model_type == "qwen2"
         )
         # Row-parallel outputs stay partial sums over TP ranks: the next norm sums them (fused).
-        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=attention_bias,
-                                        reduce_results=False)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size,
+                                        bias=attention_bias and config.model_type != "qwen2", reduce_results=False)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -59,7 +60,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        bias = getattr(config, "mlp_bias", False)
+        bias = getattr(config, "mlp_bias", False) and config.model_type == "llama"  # (the others' MLPs have none)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
                                            reduce_results=False)
