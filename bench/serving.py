@@ -1,9 +1,15 @@
-"""Serving benchmark: random token-id prompts streamed through /v1/completions
-with Poisson arrivals; request/token throughput and TTFT / TPOT / ITL.
+"""Serving benchmark: random prompts streamed through /v1/completions with
+Poisson arrivals; request/token throughput and TTFT / TPOT / ITL.
 
-The metrics follow `vllm bench serve`: TTFT is the time to the first streamed
-chunk, ITL the gaps between successive chunks, TPOT = (e2e - TTFT) /
-(output_tokens - 1), with output tokens counted by the final `usage` chunk.
+The load and metrics follow `vllm bench serve --dataset-name random`: with
+--tokenizer, each prompt is random token ids decoded to text and re-encoded to
+--input-len tokens, sent as text (the server tokenizes it); without, the ids
+themselves. No temperature is sent (the server's default, as vLLM's client).
+Arrival times are Poisson, rescaled so the last request is sent at
+num_prompts / rate. TTFT is the time to the first streamed chunk, ITL the
+gaps between successive chunks, e2e the time to the last chunk with tokens,
+TPOT = (e2e - TTFT) / (output_tokens - 1), with output tokens counted by the
+final `usage` chunk (a stream without one is a failed request).
 
     python bench/serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8
     python bench/serving.py --num-prompts 32 --launch-server -- --kv-cache-memory-bytes 268435456
@@ -40,8 +46,9 @@ class RequestResult:
     output_tokens: int = 0
 
 
-async def send_request(http: httpx.AsyncClient, url: str, body: dict, headers: dict) -> RequestResult:
-    result = RequestResult(len(body["prompt"]))
+async def send_request(http: httpx.AsyncClient, url: str, body: dict, prompt_len: int, headers: dict
+                       ) -> RequestResult:
+    result = RequestResult(prompt_len)
     start = last = time.perf_counter()
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
@@ -67,30 +74,61 @@ async def send_request(http: httpx.AsyncClient, url: str, body: dict, headers: d
                     last = now
                 elif chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-        result.latency = time.perf_counter() - start
-        result.ok = result.ttft > 0
+        result.latency = last - start
+        result.ok = result.ttft > 0 and result.output_tokens > 0
+        if result.ttft > 0 and not result.output_tokens:
+            result.error = "the stream had no usage chunk"
     except httpx.HTTPError as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
 
 
-def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int], list[float]]:
+Prompt = tuple[str | list[int], int]  # what is sent, and its length in tokens
+
+
+def workload(args: argparse.Namespace) -> tuple[list[Prompt], Prompt, list[float]]:
     """The prompts, the warm-up's own prompt (so it leaves no prefix-cache hits behind) and each request's send
-    time after the start: 0 for all at once, else Poisson arrivals at --request-rate."""
+    time after the start: 0 for all at once, else Poisson arrivals at --request-rate, rescaled as vLLM's client
+    rescales them (the last at num_prompts / rate: the load asked for, not a draw's 1-3% off it)."""
     rng = random.Random(args.seed)
-    *prompts, warmup_prompt = [[rng.randrange(args.vocab_size) for _ in range(args.input_len)]
+    tokenizer = None
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    vocab_size = args.vocab_size if tokenizer is None else len(tokenizer)
+    *prompts, warmup_prompt = [_prompt([rng.randrange(vocab_size) for _ in range(args.input_len)], tokenizer, rng)
                                for _ in range(args.num_prompts + 1)]
-    offsets, t = [], 0.0
-    for _ in prompts:
-        offsets.append(t)
-        if args.request_rate != float("inf"):
+    offsets = [0.0] * len(prompts)
+    if args.request_rate != float("inf") and prompts:
+        t = 0.0
+        for i in range(len(prompts)):
             t += rng.expovariate(args.request_rate)
+            offsets[i] = t
+        offsets = [o * (len(prompts) / args.request_rate) / t for o in offsets]
     return prompts, warmup_prompt, offsets
 
 
-def request_body(model: str, prompt: list[int], max_tokens: int) -> dict:
+def _prompt(token_ids: list[int], tokenizer, rng: random.Random) -> Prompt:
+    """Token ids as they are, or (with a tokenizer) as text of the same number of tokens: decoded, encoded again
+    (decoding merges and splits tokens), cut or topped up with more random ids, a few times, as vLLM's random
+    dataset does (`gen_prompt_decode_to_target_len`)."""
+    if tokenizer is None:
+        return token_ids, len(token_ids)
+    target = len(token_ids)
+    for _ in range(10):
+        text = tokenizer.decode(token_ids)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(token_ids) == target:
+            break
+        token_ids = token_ids[:target] + [rng.randrange(len(tokenizer)) for _ in range(target - len(token_ids))]
+    text = tokenizer.decode(token_ids)
+    return text, len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def request_body(model: str, prompt: str | list[int], max_tokens: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}}
 
 
 def http_client() -> httpx.AsyncClient:
@@ -98,29 +136,29 @@ def http_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits)
 
 
-async def warm_up(url: str, headers: dict, model: str | None, prompt: list[int]) -> str:
+async def warm_up(url: str, headers: dict, model: str | None, prompt: Prompt) -> str:
     """The model name to send (the server's first unless given), after one short request."""
     async with http_client() as http:
         model = model or (await http.get(f"{url}/v1/models", headers=headers)).json()["data"][0]["id"]
-        result = await send_request(http, url, request_body(model, prompt, 4), headers)
+        result = await send_request(http, url, request_body(model, prompt[0], 4), prompt[1], headers)
     if not result.ok:
         raise RuntimeError(f"the warm-up request failed: {result.error}")
     return model
 
 
-async def run_client(url: str, headers: dict, bodies: list[dict], offsets: list[float], start: float,
+async def run_client(url: str, headers: dict, bodies: list[tuple[dict, int]], offsets: list[float], start: float,
                      max_concurrency: int | None) -> tuple[list[RequestResult], float]:
-    """Send each body at `start` (time.monotonic) + its offset, at most max_concurrency in flight; the results
-    and when the last one ended."""
+    """Send each (body, prompt length) at `start` (time.monotonic) + its offset, at most max_concurrency in
+    flight; the results and when the last one ended."""
     semaphore = asyncio.Semaphore(max_concurrency or len(bodies) or 1)
     async with http_client() as http:
 
-        async def one(body: dict, offset: float) -> RequestResult:
+        async def one(body: dict, prompt_len: int, offset: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + offset - time.monotonic()))
             async with semaphore:
-                return await send_request(http, url, body, headers)
+                return await send_request(http, url, body, prompt_len, headers)
 
-        results = await asyncio.gather(*(one(body, offset) for body, offset in zip(bodies, offsets)))
+        results = await asyncio.gather(*(one(body, n, offset) for (body, n), offset in zip(bodies, offsets)))
     return list(results), time.monotonic()
 
 
@@ -134,7 +172,7 @@ def run_benchmark(args: argparse.Namespace, url: str, headers: dict) -> tuple[li
     i mod n, on one shared schedule. Duration: from the schedule's start to the last request's end."""
     prompts, warmup_prompt, offsets = workload(args)
     model = asyncio.run(warm_up(url, headers, args.model, warmup_prompt))
-    bodies = [request_body(model, prompt, args.output_len) for prompt in prompts]
+    bodies = [(request_body(model, prompt, args.output_len), prompt_len) for prompt, prompt_len in prompts]
     n = args.num_clients
     concurrency = -(-args.max_concurrency // n) if args.max_concurrency else None
     if n == 1:
@@ -227,7 +265,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=int, default=64, help="generated tokens per request (ignore_eos)")
-    parser.add_argument("--vocab-size", type=int, default=10000, help="prompt token ids are drawn from [0, this)")
+    parser.add_argument("--vocab-size", type=int, default=10000,
+                        help="without --tokenizer, prompt token ids are drawn from [0, this)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="send text prompts, as vllm bench serve does: random ids of this tokenizer's vocabulary, "
+                             "decoded, at --input-len tokens (the server's tokenizer should be the same)")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="mean requests per second, Poisson arrivals (inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")

@@ -54,7 +54,8 @@ serve_and_load() {  # serve_and_load NAME TREE RATE...: the dummy Qwen3-0.6B ser
   for _ in $(seq 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 0.5; done
   for rate in "$@"; do
     run 150 "${name}_rate_$rate" python3 bench/serving.py --base-url http://127.0.0.1:$port --num-prompts 500 \
-      --input-len 512 --output-len 128 --request-rate "$rate" ${SERVING_ARGS:-} --json-out "$OUT/${name}_$rate.json"
+      --input-len 512 --output-len 128 --request-rate "$rate" --tokenizer "$tok" ${SERVING_ARGS:-} \
+      --json-out "$OUT/${name}_$rate.json"
     grep -E "throughput|Median|P99|Mean TTFT|Mean TPOT" "$OUT/${name}_rate_$rate.log"
   done
   kill -TERM $server; wait $server; echo "server exit $?"; tail -n 3 "$OUT/${name}_server.log"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+import transformers
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import make_tiny_model
@@ -996,25 +997,31 @@ def test_a_token_whose_text_lags_still_gets_its_chunk() -> None:
     assert tracker.usage()["completion_tokens"] == 4
 
 
-def test_serving_benchmark_splits_its_load_over_client_processes(server, tmp_path) -> None:
-    """bench/serving.py with --num-clients 2: every request sent once, on one Poisson schedule, all counted."""
+def test_serving_benchmark_splits_its_load_over_client_processes(server, smollm2_path, tmp_path) -> None:
+    """bench/serving.py with --num-clients 2: every request sent once, on one Poisson schedule, all counted; its
+    load as vllm bench serve's: arrivals rescaled to num_prompts / rate, text prompts of --input-len tokens."""
     import importlib.util
     import json
 
     spec = importlib.util.spec_from_file_location("serving_bench", os.path.join(REPO_ROOT, "bench", "serving.py"))
     bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
     spec.loader.exec_module(bench)
-    args = bench.argparse.Namespace(seed=0, vocab_size=100, input_len=4, num_prompts=50, request_rate=10.0)
+    args = bench.argparse.Namespace(seed=0, vocab_size=100, input_len=4, num_prompts=50, request_rate=10.0,
+                                    tokenizer=None)
     prompts, warmup, offsets = bench.workload(args)
-    assert len(prompts) == 50 and warmup not in prompts and offsets[0] == 0.0
-    assert offsets == sorted(offsets) and 2.0 < offsets[-1] < 9.0  # ~49 gaps of 0.1 s on average
+    assert len(prompts) == 50 and warmup not in prompts and all(n == 4 for _, n in prompts)
+    assert offsets == sorted(offsets) and 0 < offsets[0] and offsets[-1] == pytest.approx(5.0)  # 50 / 10 req/s
     assert bench.workload(args)[2] == offsets  # the seed fixes the schedule
+    text = bench.workload(bench.argparse.Namespace(**vars(args) | {"tokenizer": smollm2_path, "input_len": 64}))[0]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path)
+    assert all(isinstance(p, str) and len(tokenizer.encode(p, add_special_tokens=False)) == n for p, n in text)
+    assert sum(n == 64 for _, n in text) >= 45  # re-encoding keeps the length, but for a rare text
     assert bench.workload(bench.argparse.Namespace(**vars(args) | {"request_rate": float("inf")}))[2] == [0.0] * 50
 
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "bench/serving.py", "--base-url", server.url, "--api-key", API_KEY, "--num-prompts", "6",
            "--input-len", "8", "--output-len", "5", "--request-rate", "20", "--num-clients", "2",
-           "--json-out", str(out)]
+           "--tokenizer", smollm2_path, "--json-out", str(out)]
     subprocess.run(cmd, cwd=REPO_ROOT, check=True, capture_output=True, timeout=180)
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (6, 0, 30)
