@@ -183,16 +183,3 @@ def test_backend_and_wrapper_decode_stream_the_same(tokenizer, skip):
         streams.append(stream_tokens(detok, output_ids)[1])
     assert streams[0] == streams[1]
     assert "".join(streams[0]) == tokenizer.decode(output_ids, skip_special_tokens=skip)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.one_of(st.sampled_from(TEXTS + [PROMPT, "<|im_end|>x", " <|endoftext|> a"]), st.text(min_size=1)),
-       special=st.booleans())
-def test_prompts_tokenize_as_transformers_encode(tokenizer, text, special):
-    """Admission encodes text with the Rust tokenizer directly (transformers' wrapper cost more than the encoding):
-    the ids are `tokenizer.encode`'s, special tokens and added ones alike."""
-    from nanoinfer.engine.input_processor import EngineLimits, InputProcessor
-
-    limits = EngineLimits(1 << 20, 1 << 20, 16, len(tokenizer), set(), 20)
-    assert InputProcessor(tokenizer, limits).tokenize(text, add_special_tokens=special, truncated=True) == \
-        tokenizer.encode(text, add_special_tokens=special)
