@@ -118,12 +118,11 @@ def _prompt(token_ids: list[int], tokenizer, rng: random.Random) -> Prompt:
     target = len(token_ids)
     for _ in range(10):
         text = tokenizer.decode(token_ids)
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(token_ids) == target:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == target:
             break
-        token_ids = token_ids[:target] + [rng.randrange(len(tokenizer)) for _ in range(target - len(token_ids))]
-    text = tokenizer.decode(token_ids)
-    return text, len(tokenizer.encode(text, add_special_tokens=False))
+        token_ids = encoded[:target] + [rng.randrange(len(tokenizer)) for _ in range(target - len(encoded))]
+    return text, len(encoded)
 
 
 def request_body(model: str, prompt: str | list[int], max_tokens: int) -> dict:
