@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanoinfer.sample.think import REASONING_PARSERS
+
 
 # Token budgets per step (vLLM's defaults): the server's steps, and an offline engine's on a large GPU,
 # where fewer, larger prefill chunks pay less per-step launch overhead (bench/RESULTS.md).
@@ -74,6 +76,7 @@ class EngineConfig:
     max_logprobs: int = _arg(20, "most logprobs a request may ask for (logprobs, prompt_logprobs; beam search asks for 2 x its width), as vLLM's; -1: up to the vocabulary")
     speculative_config: dict | None = _arg(None, 'speculative decoding by n-gram lookup, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}: each step checks up to K draft tokens copied from where the newest N..M tokens occurred before in the prompt or output; the output is unchanged, steps yield up to K + 1 tokens (turns async_scheduling off; default: off)')
     pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
+    reasoning_parser: str | None = _arg(None, "a thinking model's reasoning format: structured outputs then apply after the reasoning ends (</think>), and the server returns the reasoning as the chat message's reasoning_content. qwen3: reasoning when the reply opens with <think> (Qwen3); deepseek_r1: the chat template opens <think> in the prompt (DeepSeek-R1, QwQ, Qwen3 Thinking) (default: none; all is content and a grammar applies from the first token)", tuple(REASONING_PARSERS))
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer", "generation_config"):  # a pathlib.Path is a path too
@@ -94,8 +97,9 @@ class EngineConfig:
         self.dtype = {"half": "float16", "float": "float32"}.get(self.dtype, self.dtype)  # vLLM's aliases
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name}={getattr(self, f.name)!r} is not one of {list(choices)}")
+            value = getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
+                raise ValueError(f"{f.name}={value!r} is not one of {list(choices)}")
         if self.speculative_config is not None:
             from nanoinfer.spec_decode.ngram import SpeculativeConfig
 

@@ -31,6 +31,7 @@ def test_unknown_engine_argument() -> None:
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype='int8' is not one of"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(scheduling_policy="random"), "scheduling_policy"),
+    (dict(reasoning_parser="nope"), "reasoning_parser='nope' is not one of"),
 ])
 def test_bad_engine_config(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -122,8 +122,7 @@ def test_serve_options_refuse_nonsense() -> None:
                        ({"served_model_names": ("a", "a")}, "distinct"),
                        ({"port": 70000}, "port"),
                        ({"enable_auto_tool_choice": True}, "needs a tool_call_parser"),
-                       ({"tool_call_parser": "nope"}, "tool_call_parser must be one of"),
-                       ({"reasoning_parser": "nope"}, "reasoning_parser must be one of")):
+                       ({"tool_call_parser": "nope"}, "tool_call_parser must be one of")):
         with pytest.raises(ValueError, match=words):
             ServeOptions(**bad)
     ServeOptions(shutdown_timeout=float("inf"), served_model_names=("a", "b"))  # wait forever: allowed

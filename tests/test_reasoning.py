@@ -1,19 +1,24 @@
 """Reasoning output (`--reasoning-parser`): a thinking model's <think> text apart from its answer, whole or
-streamed; and chat_template_kwargs, the template variables that turn thinking on and off."""
+streamed; a grammar that waits for the reasoning to end (engine and server agreeing where it ends); and
+chat_template_kwargs, the template variables that turn thinking on and off."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoinfer.server.reasoning import reasoning_reader
+from nanoinfer.sample.structured import apply_token_bitmask
+from nanoinfer.sample.think import CONTENT, END, OPENING, REASONING, START, ThinkTags, reply_phase
+from nanoinfer.server.reasoning import ThinkReasoning
 
 
-def read(parser: str, pieces: list[str]) -> tuple[str, str]:
-    reader, reasoning, content = reasoning_reader(parser), "", ""
+def read(parser: str, pieces: list[str], phase: str | None = None) -> tuple[str, str]:
+    """What a reader makes of `pieces` (a prompt without think tags, unless `phase` says how the reply starts)."""
+    reader, reasoning, content = ThinkReasoning(phase or reply_phase(parser, None)), "", ""
     for i, piece in enumerate(pieces):
         r, c = reader.feed(piece, i == len(pieces) - 1)
         reasoning, content = reasoning + r, content + c
@@ -38,14 +43,25 @@ def test_reasoning_apart_from_content(parser, text, expected):
     assert read(parser, list(text) + [""]) == expected  # a character at a time, as a stream may deliver it
 
 
-def test_a_constrained_reply_reasons_only_where_its_grammar_opens_think():
-    """deepseek_r1 opens <think> in the prompt, but a grammar's reply (a JSON object, tool calls) never closes it:
-    read as reasoning it was all reasoning_content, its content and calls empty."""
+@pytest.mark.parametrize("parser, last_tag, phase", [
+    ("qwen3", None, OPENING), ("qwen3", END, OPENING), ("qwen3", START, REASONING),  # a Thinking-2507 template
+    ("deepseek_r1", None, REASONING), ("deepseek_r1", START, REASONING),
+    ("deepseek_r1", END, CONTENT),  # the template closed the think block: thinking off
+])
+def test_a_reply_starts_as_its_prompts_last_think_tag_says(parser, last_tag, phase):
+    assert reply_phase(parser, last_tag) == phase
+
+
+def test_a_reply_is_read_from_its_first_phase():
+    """deepseek_r1 after a prompt that closed the think block: all content (it was all reasoning_content). A reply
+    whose grammar applied from the first token (tags that are not tokens): reasoning only where the grammar opens
+    <think> (a JSON object, tool calls, read as reasoning, were all reasoning_content, content and calls empty)."""
+    assert read("deepseek_r1", ["Paris</think>x"], CONTENT) == ("", "Paris</think>x")
+    assert read("qwen3", ["<think>a</think>b"], REASONING) == ("a", "b")  # the prompt opened it, the reply again
+    assert read("qwen3", ["a</think>b"], REASONING) == ("a", "b")
     for parser in ("qwen3", "deepseek_r1"):
-        reader = reasoning_reader(parser, constrained=True)
-        assert reader.feed('{"city": "Paris"}', True) == ("", '{"city": "Paris"}')
-        reader = reasoning_reader(parser, constrained=True)
-        assert reader.feed("<think>a</think>{}", True) == ("a", "{}")
+        assert read(parser, ['{"city": "Paris"}'], OPENING) == ("", '{"city": "Paris"}')
+        assert read(parser, ["<think>a</think>{}"], OPENING) == ("a", "{}")
 
 
 @settings(max_examples=200, deadline=None)
@@ -103,5 +119,144 @@ def test_deepseek_r1_server_leaves_a_grammars_reply_in_content(tmp_path_factory,
         message = httpx.post(f"{server.url}/v1/chat/completions", json=body | forced, timeout=120).json()
         message = message["choices"][0]["message"]
         assert (message["reasoning_content"], message["content"]) == ("plan", "done")
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, smollm2_path) -> tuple[str, str]:
+    """(model, tokenizer): a tiny random Llama, and SmolLM2's tokenizer with <think> and </think> added as single
+    tokens 49152 and 49153 (not special, so they stay in the text), as Qwen3's and DeepSeek-R1's tokenizers have."""
+    from conftest import make_tiny_model
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("thinking")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.add_tokens([START, END])
+    tokenizer.save_pretrained(root / "tokenizer")
+    make_tiny_model(str(root / "model"), "llama", vocab_size=len(tokenizer))
+    return str(root / "model"), str(root / "tokenizer")
+
+
+THINK, END_THINK = 49152, 49153
+
+
+def test_think_tags_are_single_tokens_or_none(thinking_model, smollm2_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(thinking_model[1])
+    tags = ThinkTags.of(tokenizer, "qwen3", len(tokenizer))
+    assert (tags.start, tags.end) == (THINK, END_THINK)
+    assert ThinkTags.of(tokenizer, None, len(tokenizer)) is None
+    assert ThinkTags.of(tokenizer, "qwen3", 49152) is None  # not in the model's vocabulary
+    assert ThinkTags.of(AutoTokenizer.from_pretrained(smollm2_path), "qwen3", 49152) is None  # "<", "think", ">"
+    deepseek = ThinkTags.of(tokenizer, "deepseek_r1", len(tokenizer))
+    for prompt, qwen3_phase, deepseek_phase in [([1, 2], OPENING, REASONING), ([THINK, 5], REASONING, REASONING),
+                                                ([THINK, 5, END_THINK, 6], OPENING, CONTENT),
+                                                ([END_THINK, THINK], REASONING, REASONING)]:
+        assert (tags.first_phase(prompt), deepseek.first_phase(prompt)) == (qwen3_phase, deepseek_phase)
+    assert [tags.next_phase(OPENING, t) for t in (THINK, END_THINK, 7)] == [REASONING, CONTENT, CONTENT]
+    assert [tags.next_phase(REASONING, t) for t in (THINK, END_THINK, 7)] == [REASONING, CONTENT, REASONING]
+    assert [tags.next_phase(CONTENT, t) for t in (THINK, END_THINK)] == [CONTENT, CONTENT]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_grammar_waits_until_the_reasoning_ends(thinking_model, async_scheduling):
+    """With a reasoning parser the model reasons freely and the grammar shapes what follows </think> (vLLM's
+    order). A logit bias stands in for a thinking model: the grammar masks the tags and "a", so any of them in the
+    output got there while the grammar waited."""
+    from nanoinfer import LLM, SamplingParams, StructuredOutputsParams
+
+    model, tokenizer = thinking_model
+    a = 81  # "a"
+
+    def reply(llm, bias, prompt="Is it?", max_tokens=12):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, logit_bias=bias,
+                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+        return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+    with LLM(model, tokenizer=tokenizer, reasoning_parser="qwen3", kv_cache_memory_bytes=16 << 20,
+             async_scheduling=async_scheduling) as llm:
+        opened = reply(llm, {THINK: 50, END_THINK: 100})  # the first token may open <think>, nothing else may
+        assert opened.token_ids[:2] == [THINK, END_THINK] and opened.text.removeprefix("<think></think>") in ("yes", "no")
+        assert reply(llm, {END_THINK: 100}).text in ("yes", "no")  # no <think> first: the grammar from the start
+        assert reply(llm, {a: 100}).text in ("yes", "no")
+        assert reply(llm, {a: 100}, prompt=[5, THINK, 6]).text == "a" * 12  # the prompt opened it
+    with LLM(model, tokenizer=tokenizer, reasoning_parser="deepseek_r1", kv_cache_memory_bytes=16 << 20,
+             async_scheduling=async_scheduling) as llm:
+        free = reply(llm, {a: 100})  # the template opened <think>: reasoning until </think>
+        assert free.text == "a" * 12 and free.finish_reason == "length"
+        ended = reply(llm, {END_THINK: 100})
+        assert ended.token_ids[0] == END_THINK and ended.text.removeprefix("</think>") in ("yes", "no")
+        assert ended.finish_reason == "stop"
+        assert reply(llm, {a: 100}, prompt=[5, THINK, 6, END_THINK]).text in ("yes", "no")  # thinking turned off
+
+
+def test_a_reasoning_grammar_resumes_where_it_was(thinking_model):
+    """After a preemption a request's grammar is made again from its tokens: it must stand where the step-by-step
+    one stood (phase and matcher), and mask the same: reasoning rows nothing, an opening row the grammar and
+    <think>, an answer row the grammar."""
+    from transformers import AutoTokenizer
+
+    from nanoinfer import StructuredOutputsParams
+    from nanoinfer.sample.structured import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(thinking_model[1])
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), "qwen3")
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    prompt = [1, 2]
+    for output in ([], [THINK], [THINK, 81, 81], [THINK, 81, END_THINK], [THINK, END_THINK, *yes], yes):
+        stepped = compiler.request_grammar(spec, prompt, len(prompt))
+        compiler.accept([(stepped, t) for t in output])
+        resumed = compiler.request_grammar(spec, prompt + output, len(prompt))
+        assert resumed.phase == stepped.phase
+        assert torch.equal(compiler.bitmask([resumed]), compiler.bitmask([stepped]))
+    grammar = compiler.request_grammar(spec, prompt, len(prompt))
+    allowed = lambda: set(apply_token_bitmask(torch.zeros(1, len(tokenizer)), torch.tensor([0]),
+                                              compiler.bitmask([grammar]))[0].isfinite().nonzero().flatten().tolist())
+    plain = compiler.request_grammar(spec, [], 0)
+    plain.phase = CONTENT
+    answer = set(apply_token_bitmask(torch.zeros(1, len(tokenizer)), torch.tensor([0]),
+                                     compiler.bitmask([plain]))[0].isfinite().nonzero().flatten().tolist())
+    assert allowed() == answer | {THINK}
+    compiler.accept([(grammar, THINK)])
+    assert len(allowed()) == len(tokenizer)
+    compiler.accept([(grammar, END_THINK)])
+    assert allowed() == answer
+
+
+def test_the_server_reads_reasoning_where_the_engine_ends_it(thinking_model, tmp_path):
+    """deepseek_r1 over HTTP, a grammar on each reply: the reasoning (free of the grammar) is reasoning_content and
+    the grammar's answer the content; after a prompt that closed the think block, all is content and follows the
+    grammar. Streamed as whole."""
+    import httpx
+    from test_server import launch_server
+
+    model, tokenizer = thinking_model
+    server = launch_server(str(tmp_path / "server.log"), model, "--tokenizer", tokenizer,
+                           "--reasoning-parser", "deepseek_r1", "--chat-template", THINKING_TEMPLATE)
+    try:
+        def message(bias: dict, **extra) -> tuple[dict, str]:
+            body = {"messages": [{"role": "user", "content": "Is it?"}], "max_tokens": 12, "temperature": 0,
+                    "logit_bias": {str(k): v for k, v in bias.items()}, "structured_outputs": {"choice": ["yes", "no"]}}
+            whole = httpx.post(f"{server.url}/v1/chat/completions", json=body | extra, timeout=120).json()
+            chunks = []
+            with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body | extra | {"stream": True},
+                              timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks += json.loads(line[6:])["choices"]
+            streamed = [("".join(c["delta"].get(key) or "" for c in chunks)) for key in ("reasoning_content", "content")]
+            choice = whole["choices"][0]
+            assert streamed == [choice["message"]["reasoning_content"] or "", choice["message"]["content"] or ""]
+            return choice["message"], choice["finish_reason"]
+
+        reasoning, finish = message({81: 100})
+        assert (reasoning["reasoning_content"], reasoning["content"], finish) == ("a" * 12, None, "length")
+        answered, finish = message({END_THINK: 100})
+        assert answered["reasoning_content"] is None and answered["content"] in ("yes", "no") and finish == "stop"
+        off, _ = message({81: 100}, chat_template_kwargs={"enable_thinking": False})
+        assert off["reasoning_content"] is None and off["content"] in ("yes", "no")
     finally:
         assert server.stop() == 0, server.log()

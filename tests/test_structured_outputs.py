@@ -91,17 +91,17 @@ def test_large_batches_feed_their_matchers_in_threads(smol: LLM, monkeypatch) ->
     spec = StructuredOutputsParams(json=PERSON)
     texts = [f'{{"name": "P{i}", "age": {i}' for i in range(40)]
     ids = [smol.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    threaded, alone = ([compiler.matcher(spec, []) for _ in texts] for _ in range(2))
+    threaded, alone = ([compiler.request_grammar(spec, [], 0) for _ in texts] for _ in range(2))
     names = set()
-    accept = type(threaded[0]).accept_token
-    monkeypatch.setattr(type(threaded[0]), "accept_token",
+    accept = type(threaded[0].matcher).accept_token
+    monkeypatch.setattr(type(threaded[0].matcher), "accept_token",
                         lambda m, t: names.add(threading.current_thread().name) or accept(m, t))
     for step in range(max(map(len, ids))):
-        compiler.accept([(m, row[step]) for m, row in zip(threaded, ids) if step < len(row)])
+        compiler.accept([(g, row[step]) for g, row in zip(threaded, ids) if step < len(row)])
     assert any(name.startswith("grammar-accept") for name in names)
-    for m, row in zip(alone, ids):
+    for g, row in zip(alone, ids):
         for t in row:
-            m.accept_token(t)
+            g.matcher.accept_token(t)
     assert torch.equal(compiler.bitmask(threaded), compiler.bitmask(alone))
     assert torch.equal(compiler.bitmask(alone)[:8], compiler.bitmask(alone[:8]))  # xgrammar's batch fill = one by one
 
@@ -153,10 +153,10 @@ def test_a_finished_grammar_allows_only_stop_tokens(smol: LLM) -> None:
     from nanoinfer.sample.structured import GrammarCompiler
 
     grammars = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
-    matcher = grammars.matcher(StructuredOutputsParams(choice=["yes"]), smol.tokenizer.encode("yes") +
-                               [smol.tokenizer.eos_token_id])
-    assert matcher.is_terminated()  # what a step planned before the request's end was seen meets (async)
-    logits = apply_token_bitmask(torch.zeros(1, grammars.vocab_size), torch.tensor([0]), grammars.bitmask([matcher]))
+    grammar = grammars.request_grammar(StructuredOutputsParams(choice=["yes"]), smol.tokenizer.encode("yes") +
+                                       [smol.tokenizer.eos_token_id], 0)
+    assert grammar.matcher.is_terminated()  # what a step planned before the request's end was seen meets (async)
+    logits = apply_token_bitmask(torch.zeros(1, grammars.vocab_size), torch.tensor([0]), grammars.bitmask([grammar]))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [smol.tokenizer.eos_token_id]
 
 
@@ -282,7 +282,8 @@ def test_the_server_compiles_a_slow_grammar_beside_other_work(smol: LLM, monkeyp
     monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: (spec.regex != "slow" or release.wait(60))
                         and compile_(self, spec))
     compiler = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
-    client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_compiler=lambda: compiler))
+    client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_compiler=lambda: compiler),
+                             config=smol.engine.config, limits=smol.engine.limits)
     serving = OpenAIServing(client, ["m"])
     slow = StructuredOutputsParams(regex="slow")
 

@@ -30,7 +30,7 @@ from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.sample.metadata import allowed_token_mask
 from nanoinfer.sample.penalties import PenaltyState
 from nanoinfer.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, SamplingMetadata, gather_logprobs
-from nanoinfer.sample.structured import GrammarCompiler
+from nanoinfer.sample.structured import GrammarCompiler, RequestGrammar
 from nanoinfer.pooling_params import PoolerConfig
 from nanoinfer.scheduler.output import SchedulerOutput
 
@@ -457,7 +457,7 @@ class ModelRunner:
             stop_token_ids=[self._min_tokens_stop_ids(s) for s in states],
             vocab_size=self.vocab_size,
             device=self.device,
-            allowed_tokens=(structured, self.grammar_compiler().bitmask([self._matcher(states[i]) for i in structured]))
+            allowed_tokens=(structured, self.grammar_compiler().bitmask([self._grammar(states[i]) for i in structured]))
             if structured else None,
             penalties=(self.penalties, [s.penalty_slot for s in states]) if penalized else None,
             bad_word_ids=[s.bad_word_ids() for s in states] if bad_words else None,
@@ -474,15 +474,15 @@ class ModelRunner:
             tokenizer = load_tokenizer(self.tokenizer_path)
             if tokenizer is None:
                 raise ValueError("structured outputs need a tokenizer")
-            self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
+            self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.config.reasoning_parser)
         return self.grammars
 
-    def _matcher(self, state: CachedRequestState):
-        """The request's grammar matcher, made at its first sampling (after a preemption: fed its outputs)."""
-        if state.matcher is None:
-            state.matcher = self.grammar_compiler().matcher(state.sampling_params.structured_outputs,
-                                                             state.token_ids[state.prompt_len:])
-        return state.matcher
+    def _grammar(self, state: CachedRequestState) -> RequestGrammar:
+        """The request's grammar, made at its first sampling (after a preemption: fed its outputs)."""
+        if state.grammar is None:
+            state.grammar = self.grammar_compiler().request_grammar(state.sampling_params.structured_outputs,
+                                                                    state.token_ids, state.prompt_len)
+        return state.grammar
 
     def add_sampled_tokens(self, req_ids: list[str], positions: list[int], token_ids: list[list[int]]) -> None:
         """TP workers: append the tokens rank 0 has read back (each request's new tokens, from `position` on), so

@@ -83,7 +83,7 @@ class RunnerFuture:
                  accept: Callable[[list[tuple[Any, int]]], None] | None = None,
                  drafts: list[list[int]] | None = None,
                  pooled: tuple[list[str], tuple[torch.Tensor, torch.cuda.Event | None]] | None = None) -> None:
-        """`states`, `positions`: per sampled row; `accept`: feeds (grammar matcher, token) pairs, the grammar
+        """`states`, `positions`: per sampled row; `accept`: feeds (RequestGrammar, token) pairs, the grammar
         compiler's (GrammarCompiler.accept); `drafts`: speculative decoding, each sampled request's draft tokens,
         its rows being its d drafts' positions + 1; `pooled`: runner="pooling", the request ids and the host copy
         of their vectors."""
@@ -125,8 +125,8 @@ class RunnerFuture:
             grammars = []
             for state, new in zip(heads, token_ids):
                 state.token_ids.extend(new)  # harmless for a request dropped meanwhile
-                if state.matcher is not None and not state.matcher.is_terminated():  # no drafts: one token
-                    grammars.append((state.matcher, new[0]))
+                if state.grammar is not None:  # no drafts: one token
+                    grammars.append((state.grammar, new[0]))
             if grammars:
                 self.accept(grammars)
             self._output = ModelRunnerOutput([s.req_id for s in heads], token_ids, logprobs, self.errors,

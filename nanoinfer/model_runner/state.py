@@ -24,7 +24,7 @@ class CachedRequestState:
     # A grammar's matcher, and a bad word of several tokens, read the output on the host, so the newest token must
     # be there before sampling.
     needs_newest_token: bool
-    matcher: Any = None  # structured outputs: the grammar's matcher, fed every sampled token (ModelRunner)
+    grammar: Any = None  # structured outputs: its RequestGrammar, fed every sampled token (ModelRunner)
     penalty_slot: int | None = None  # its token counts in the runner's PenaltyState, from its first sampling
     allowed_mask: torch.Tensor | None = None  # its allowed_token_ids as a [vocab] bool mask, from its first sampling
     pooled: torch.Tensor | None = None  # runner="pooling", MEAN / CLS: what its prompt's chunks so far pooled to

@@ -9,10 +9,14 @@ caller's error, before anything enters the engine). The engine core compiles it 
 done, so a slow grammar delays its own request, never the running ones nor (several threads) other grammars.
 Offline both sides share the core's compiler, so a grammar compiles once; the server's two processes each compile
 it. The sampling rank then makes the
-request's matcher, fed every sampled token (also those a preemption replays)."""
+request's matcher, fed every sampled token (also those a preemption replays).
+
+With a reasoning parser (and a tokenizer whose think tags are single tokens) the grammar waits while the reply
+reasons: its rows go unmasked and its matcher sees only what follows `</think>` (sample/think.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections import OrderedDict
@@ -22,7 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from nanoinfer.sample.think import CONTENT, OPENING, REASONING, ThinkTags
 from nanoinfer.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("nanoinfer")
 
 _COMPILE_THREADS = 4
 _THREADED_ROWS = 16  # rows from which matchers are fed and bitmasks filled in threads (H200 host: threads
@@ -32,13 +39,18 @@ _THREADED_ROWS = 16  # rows from which matchers are fed and bitmasks filled in t
 class GrammarCompiler:
     """xgrammar's compiler for one tokenizer and model vocabulary, built when first needed (~0.2 s)."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, reasoning_parser: str | None = None) -> None:
         import xgrammar
 
         self.xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info)
         self.vocab_size = vocab_size
+        self.think = ThinkTags.of(tokenizer, reasoning_parser, vocab_size)  # None: grammars apply from the start
+        if reasoning_parser is not None and self.think is None:
+            logger.warning("reasoning_parser %s: the tokenizer has no single <think> and </think> tokens, so a "
+                           "grammar cannot wait for the reasoning to end: it applies from the first token",
+                           reasoning_parser)
         # Several at once: a slow grammar (a wide schema takes seconds) does not hold up the others behind it.
         self._thread = ThreadPoolExecutor(max_workers=_COMPILE_THREADS, thread_name_prefix="grammar")
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()  # the latest 256 grammars
@@ -84,16 +96,18 @@ class GrammarCompiler:
         except (RuntimeError, ValueError) as e:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
             raise ValueError(f"structured_outputs: the {spec.kind} cannot be compiled: {_first_line(e)}") from None
 
-    def matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Any:
-        """A matcher for `spec` that has accepted `output_token_ids` (a request resumed after preemption)."""
-        matcher = self.xgr.GrammarMatcher(self.compile_async(spec).result())
-        for token_id in output_token_ids:
-            matcher.accept_token(token_id)
-        return matcher
+    def request_grammar(self, spec: StructuredOutputsParams, token_ids: list[int], prompt_len: int
+                        ) -> "RequestGrammar":
+        """A request's grammar, having read the outputs in `token_ids` (a request resumed after preemption)."""
+        phase = CONTENT if self.think is None else self.think.first_phase(token_ids[:prompt_len])
+        grammar = RequestGrammar(self.xgr.GrammarMatcher(self.compile_async(spec).result()), phase, self.think)
+        _accept_all([(grammar, token_id) for token_id in token_ids[prompt_len:]])
+        return grammar
 
-    def accept(self, pairs: list[tuple[Any, int]]) -> None:
-        """Feed each (matcher, sampled token). xgrammar releases the GIL while a matcher reads a token (~20-40 us
-        for JSON), so a batch of 16 rows or more is split across threads: 256 rows took ~7 ms one after another."""
+    def accept(self, pairs: list[tuple["RequestGrammar", int]]) -> None:
+        """Feed each (request's grammar, sampled token). xgrammar releases the GIL while a matcher reads a token
+        (~20-40 us for JSON), so a batch of 16 rows or more is split across threads: 256 rows took ~7 ms one after
+        another."""
         threads = max(1, (os.cpu_count() or 2) // 2)
         if len(pairs) < _THREADED_ROWS or threads == 1:
             return _accept_all(pairs)
@@ -101,29 +115,54 @@ class GrammarCompiler:
             self._accepting = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-accept")
         list(self._accepting.map(_accept_all, [pairs[i::threads] for i in range(threads)]))
 
-    def bitmask(self, matchers: list[Any]) -> torch.Tensor:
-        """[rows, words] int32 on the CPU: row i's allowed next tokens, one bit each. Many rows are filled by
-        xgrammar's batch matcher, in threads of its own (256 JSON rows: 9.9 ms one by one, 1.8 ms so, here)."""
-        mask = self.xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+    def bitmask(self, grammars: list["RequestGrammar"]) -> torch.Tensor:
+        """[rows, words] int32 on the CPU: row i's allowed next tokens, one bit each (a reasoning row: all). Many
+        rows are filled by xgrammar's batch matcher, in threads of its own (256 JSON rows: 9.9 ms one by one,
+        1.8 ms so, here)."""
+        mask = self.xgr.allocate_token_bitmask(len(grammars), self.vocab_size)  # all bits set
         live = []
-        for row, matcher in enumerate(matchers):
-            if matcher.is_terminated():
+        for row, grammar in enumerate(grammars):
+            if grammar.phase == REASONING:
+                continue
+            if grammar.matcher.is_terminated():
                 mask[row] = self.stop_only
             else:
                 live.append(row)
         if len(live) < _THREADED_ROWS:  # a few rows: starting threads costs more than it saves
             for row in live:
-                matchers[row].fill_next_token_bitmask(mask, row)
+                grammars[row].matcher.fill_next_token_bitmask(mask, row)
         elif live:
             if self._batch is None:
                 self._batch = self.xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([matchers[row] for row in live], mask, indices=live)
+            self._batch.batch_fill_next_token_bitmask([grammars[row].matcher for row in live], mask, indices=live)
+        opening = [row for row in live if grammars[row].phase == OPENING]
+        if opening:  # the reply's first token may also open a think block
+            word, bit = divmod(self.think.start, 32)
+            mask[opening, word] |= (1 << bit) if bit < 31 else -(1 << 31)  # bit 31 of an int32 is its sign
         return mask
 
 
-def _accept_all(pairs: list[tuple[Any, int]]) -> None:
-    for matcher, token_id in pairs:
-        matcher.accept_token(token_id)
+class RequestGrammar:
+    """A request's matcher and the phase of its reply (think.py): the matcher reads only the answer, what follows
+    the reasoning; without a reasoning parser that is the whole reply."""
+
+    __slots__ = ("matcher", "phase", "think")
+
+    def __init__(self, matcher: Any, phase: str, think: ThinkTags | None) -> None:
+        self.matcher, self.phase, self.think = matcher, phase, think
+
+    def accept(self, token_id: int) -> None:
+        if self.phase != CONTENT:
+            previous, self.phase = self.phase, self.think.next_phase(self.phase, token_id)
+            if not (previous == OPENING and self.phase == CONTENT):  # a tag, or reasoning: not the answer's
+                return
+        if not self.matcher.is_terminated():
+            self.matcher.accept_token(token_id)
+
+
+def _accept_all(pairs: list[tuple[RequestGrammar, int]]) -> None:
+    for grammar, token_id in pairs:
+        grammar.accept(token_id)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,6 @@ from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, Completi
                                        EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest, parse_body)
 from nanoinfer.server.pooling import PoolingServing
 from nanoinfer.server.serving import OpenAIServing
-from nanoinfer.server.reasoning import REASONING_PARSERS
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoinfer")
@@ -57,7 +56,6 @@ class ServeOptions:
     log_prompts: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto", its replies read by tool_call_parser
     tool_call_parser: str | None = None
-    reasoning_parser: str | None = None  # chat replies' <think> reasoning returned as reasoning_content
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -74,8 +72,6 @@ class ServeOptions:
             raise ValueError("api_key is empty: omit it to serve without a key")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the model's tool call format, "
                              f"one of {sorted(TOOL_CALL_PARSERS)})")
@@ -316,8 +312,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
         serving = OpenAIServing(client, list(options.served_model_names), options.log_prompts,
-                                options.tool_call_parser if options.enable_auto_tool_choice else None,
-                                options.reasoning_parser)
+                                options.tool_call_parser if options.enable_auto_tool_choice else None)
         app = build_app(client, serving, options)
         uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
                                         timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")

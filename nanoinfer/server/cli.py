@@ -7,7 +7,6 @@ import os
 
 from nanoinfer.cli import add_engine_args, engine_kwargs
 from nanoinfer.config import EngineConfig
-from nanoinfer.server.reasoning import REASONING_PARSERS
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -47,10 +46,6 @@ def add_serve_parser(subparsers) -> None:
                              "Hermes), llama3_json (<|python_tag|>{...}; {...}: Llama 3.1-3.3 with a JSON tool "
                              "template), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral models), "
                              "pythonic ([f(a=1), g()]: Llama 3.2 and Llama 4 with a pythonic template)")
-    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                        help="return a thinking model's <think> reasoning as the chat message's reasoning_content: "
-                             "qwen3 (reasoning when the reply opens with <think>), deepseek_r1 (the template opens "
-                             "<think> in the prompt: DeepSeek-R1, QwQ, Qwen3 Thinking) (default: all is content)")
     add_engine_args(parser, skip=("model",))
     parser.set_defaults(func=cmd_serve)
 
@@ -66,8 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_output_tokens_per_request=args.max_output_tokens_per_request,
         shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
         access_log=args.access_log, metrics_without_auth=args.metrics_without_auth, log_prompts=args.log_prompts,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
     run_server(config, options)
     return 0

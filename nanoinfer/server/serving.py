@@ -31,7 +31,8 @@ from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
                                        template_tools)
-from nanoinfer.server.reasoning import ThinkReasoning, reasoning_reader
+from nanoinfer.sample.think import OPENING, ThinkTags, reply_phase
+from nanoinfer.server.reasoning import ThinkReasoning
 from nanoinfer.server.tool_calls import ToolCallExtractor
 
 # Words that start our validation messages ("top_p must be ...") and name a request field.
@@ -151,13 +152,16 @@ async def _client_disconnected(raw: Request) -> None:
 
 class OpenAIServing:
     def __init__(self, client: CoreClient, model_names: list[str], log_prompts: bool = False,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None) -> None:
         self.client = client
         self.model_names = model_names
         self.log_prompts = log_prompts
         self.tool_call_parser = tool_call_parser  # reads tool_choice "auto" replies; None: auto is refused
-        self.reasoning_parser = reasoning_parser  # splits <think> reasoning from content; None: all is content
         self.tokenizer = client.tokenizer
+        # Splits <think> reasoning from content (None: all is content). With tags that are single tokens the engine
+        # holds a reply's grammar until its reasoning ends, and the reply's first phase is read from its prompt.
+        self.reasoning_parser = client.config.reasoning_parser
+        self.think = ThinkTags.of(self.tokenizer, self.reasoning_parser, client.limits.vocab_size)
         self.accepting = True  # False while draining for shutdown
         self.num_beam_searches = 0  # in flight: a drain waits for them too (between steps none of theirs runs)
         self.aborting = False  # the drain's time is up: beam searches take no further step
@@ -278,7 +282,7 @@ class OpenAIServing:
             return [self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools,
                                      req.chat_template_kwargs)]
 
-        constrained = False  # a grammar from the first token: reasoning only where it writes <think> (reasoning.py)
+        constrained = False  # a grammar applies (from the first token unless the engine follows the think tags)
         if req.use_beam_search:
             stream = await self._beam_search(request_id, prompts, req, max_tokens, renames, raw)
             if stream is None:  # the client went away
@@ -296,7 +300,7 @@ class OpenAIServing:
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
             if d.index not in readers:
-                readers[d.index] = (self.reasoning_parser and reasoning_reader(self.reasoning_parser, constrained),
+                readers[d.index] = (self.reasoning_parser and ThinkReasoning(self._reply_phase(d.output, constrained)),
                                     req.tool_call_extractor(self.tool_call_parser))
             reasoner, extractor = readers[d.index]
             final = c.finish_reason is not None
@@ -326,6 +330,14 @@ class OpenAIServing:
         return await self._respond(stream, raw, req, req.n, request_id, ("chat.completion.chunk", "chat.completion"),
                                    choice, top=lambda outputs: {"prompt_logprobs": self._prompt_logprobs(outputs[0])}
                                    if req.prompt_logprobs is not None else {})
+
+    def _reply_phase(self, output: RequestOutput, constrained: bool) -> str:
+        """Where a chat reply starts (sample/think.py): read from its prompt's tokens where the tags are tokens (the
+        engine decides the same way); otherwise from the parser alone, or, under a grammar that applied from the
+        first token, reasoning only where the grammar opens a think block."""
+        if self.think is not None:
+            return self.think.first_phase(output.prompt_token_ids)
+        return OPENING if constrained else reply_phase(self.reasoning_parser, None)
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
