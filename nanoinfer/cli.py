@@ -80,7 +80,7 @@ def engine_kwargs(args: argparse.Namespace, skip: tuple[str, ...] = ()) -> dict:
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     """Unset flags are None: `sampling_params` tells them from given ones."""
-    from nanoinfer.loader.resolve import _GENERATION_FIELDS  # what generation_config.json may set
+    from nanoinfer.loader.resolve import GENERATION_FIELDS  # what generation_config.json may set
 
     group = parser.add_argument_group("sampling arguments")
     for flag, (name, kind, default, help_text) in SAMPLING_FLAGS.items():
@@ -89,7 +89,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         elif flag == "--stop":
             group.add_argument(flag, action="append", help=help_text)
         else:
-            if name in _GENERATION_FIELDS.values():
+            if name in GENERATION_FIELDS.values():
                 help_text += f" (default: the model's generation_config.json, else {default})"
             elif default is not None:
                 help_text += f" (default: {default})"

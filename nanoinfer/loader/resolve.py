@@ -29,7 +29,7 @@ class ModelSource:
 
 
 # generation_config.json's sampling fields, as vLLM reads them (`--generation-config auto`), and SamplingParams' names.
-_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
@@ -158,7 +158,7 @@ def _default_sampling(option: str, model_path: str, generation: dict | None) -> 
         if generation is None:
             raise FileNotFoundError(f"generation_config: {option!r} holds no generation_config.json")
         model_path = option
-    defaults = {name: generation[key] for key, name in _GENERATION_FIELDS.items()
+    defaults = {name: generation[key] for key, name in GENERATION_FIELDS.items()
                 if (generation or {}).get(key) is not None}  # null: no recommendation (as vLLM reads it)
     try:
         SamplingParams(**defaults)

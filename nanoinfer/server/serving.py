@@ -31,6 +31,7 @@ from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
                                        template_tools)
+from nanoinfer.sample.structured import GrammarCompiler
 from nanoinfer.sample.think import OPENING, ThinkTags, reply_phase
 from nanoinfer.server.reasoning import ThinkReasoning
 from nanoinfer.server.tool_calls import ToolCallExtractor
@@ -168,6 +169,7 @@ class OpenAIServing:
         # Large requests are tokenized here (`_tokenizing`), one at a time in arrival order; grammars compile in
         # their compiler's own threads (`_compiled`).
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self.grammars: GrammarCompiler | None = None  # the API process's, checking grammars before admission
         if self.tokenizer is not None:
             # transformers clears a tokenizer.json's truncation / padding on the first encode: a write that would
             # race with the event loop's decodes ("Already borrowed") if it first happened in the thread.
@@ -190,8 +192,10 @@ class OpenAIServing:
         other grammars. A grammar that cannot compile is left for the admission's check to report."""
         if spec is None or self.tokenizer is None:
             return
-        loop = asyncio.get_running_loop()
-        compiler = await loop.run_in_executor(self.tokenizer_thread, self.client.input_processor.grammar_compiler)
+        if self.grammars is None:  # built at the first grammar (~0.2 s of work on the vocabulary), off the loop
+            self.grammars = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_thread, self.client.input_processor.grammar_compiler)
+        compiler = self.grammars
         with contextlib.suppress(ValueError):  # (shielded: a client that leaves cancels not the shared compile)
             await asyncio.shield(asyncio.wrap_future(compiler.compile_async(spec)))
 
