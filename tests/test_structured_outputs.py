@@ -265,38 +265,67 @@ def test_a_grammar_held_by_a_request_outlives_the_cache(smol: LLM, monkeypatch) 
     assert calls.count("held") == 1 and calls.count("r0") == 2 and calls.count("r299") == 1
 
 
-def test_the_server_compiles_a_slow_grammar_beside_other_work(smol: LLM, monkeypatch) -> None:
-    """The API process: a grammar compiles in the compiler's threads, awaited on the event loop, so while a slow
-    one compiles, another grammar compiles and the tokenizer thread (large bodies) is free; it held up both (a
+def test_the_server_checks_a_slow_grammar_beside_other_work(smol: LLM) -> None:
+    """The API process: a grammar is checked in threads of its own, awaited on the event loop, so while a slow
+    one is checked, another grammar is and the tokenizer thread (large bodies) is free; one thread held up both (a
     7,000-property schema: 19.6 s for a `choice` request, 9.8 s for a plain large body). A client that leaves
-    does not cancel the compile other requests of the same grammar share."""
+    does not cancel the check other requests of the same grammar share."""
     import asyncio
     import threading
     from types import SimpleNamespace
 
-    from nanoinfer.sample.structured import GrammarCompiler
+    from nanoinfer.sample.structured import GrammarCache, parse_grammar
     from nanoinfer.server.serving import OpenAIServing
 
     release = threading.Event()
-    compile_ = GrammarCompiler.compile
-    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: (spec.regex != "slow" or release.wait(60))
-                        and compile_(self, spec))
-    compiler = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
-    client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_compiler=lambda: compiler),
+    checks = GrammarCache(lambda spec: (spec.regex != "slow" or release.wait(60)) and parse_grammar(spec))
+    client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_checks=lambda: checks),
                              config=smol.engine.config, limits=smol.engine.limits)
     serving = OpenAIServing(client, ["m"])
     slow = StructuredOutputsParams(regex="slow")
 
     async def run() -> None:
-        first = asyncio.create_task(serving._compiled(slow))
-        leaving = asyncio.create_task(serving._compiled(slow))
-        await asyncio.wait_for(serving._compiled(StructuredOutputsParams(regex="quick")), 30)
+        first = asyncio.create_task(serving._checked(slow))
+        leaving = asyncio.create_task(serving._checked(slow))
+        await asyncio.wait_for(serving._checked(StructuredOutputsParams(regex="quick")), 30)
         assert await asyncio.get_running_loop().run_in_executor(serving.tokenizer_thread, lambda: "free") == "free"
         leaving.cancel()
         await asyncio.sleep(0.05)
-        assert not first.done() and not compiler.compile_async(slow).cancelled()
+        assert not first.done() and not checks.get(slow).cancelled()
         release.set()
         await asyncio.wait_for(first, 30)
 
     asyncio.run(run())
-    assert compiler.compile_async(slow).result() is not None
+
+
+def test_the_api_process_parses_and_the_core_fails_what_does_not_compile(tiny_models, smollm2_path, monkeypatch,
+                                                                          tmp_path_factory) -> None:
+    """The server's admission parses a grammar (as vLLM's), never compiling it against the vocabulary (the core
+    does that, once); a grammar that parses but does not compile then fails its own request alone in the core
+    (finish_reason "error"), the others going on and every block coming back."""
+    from test_server import tiny_model_with_smollm2_vocab
+
+    from nanoinfer.engine.input_processor import InputProcessor
+    from nanoinfer.sample.structured import GrammarCompiler
+
+    llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20)
+    engine = llm.engine
+    with monkeypatch.context() as patch:  # the API process's input processor (no core beside it)
+        patch.setattr(GrammarCompiler, "__init__", lambda *a, **k: pytest.fail("the API process compiled"))
+        api = InputProcessor(llm.tokenizer, engine.limits)
+        api.check_grammar(StructuredOutputsParams(json=PERSON))
+        with pytest.raises(ValueError, match="regex cannot be compiled: .*parenthesis"):
+            api.check_grammar(StructuredOutputsParams(regex="a("))
+    compile_ = GrammarCompiler.compile
+    monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: compile_(self, spec) if spec.regex != "boom"
+                        else (_ for _ in ()).throw(ValueError("structured_outputs: the regex cannot be compiled: x")))
+    engine.input_processor = api  # admission as the server's: the core compiles
+    engine.add_request("plain", [1, 2, 3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.add_request("boom", [4, 5, 6], constrained(StructuredOutputsParams(regex="boom"), max_tokens=8))
+    engine.add_request("quick", [7, 8, 9], constrained(StructuredOutputsParams(regex="quick"), max_tokens=8))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    assert finished["boom"].finish_reason == "error" and finished["quick"].text == "quick"
+    assert len(finished["plain"].token_ids) == 12
+    assert engine.core.scheduler.kv_cache_manager.num_free_blocks == engine.core.num_blocks

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import Request
-from nanoinfer.sample.structured import GrammarCompiler
+from nanoinfer.sample.structured import GrammarCache, parse_grammar
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams, child_seed
 
 
@@ -93,21 +93,21 @@ class EngineLimits:
 
 class InputProcessor:
     def __init__(self, tokenizer, limits: EngineLimits,
-                 grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+                 grammars: Callable[[], GrammarCache] | None = None,
                  pooler: PoolerConfig | None = None, hidden_size: int = 0) -> None:
-        """`grammar_compiler`: the engine core's, where the core runs in this process (one compiler and cache for
-        both, so a grammar compiles once); otherwise this processor builds its own at the first grammar.
+        """`grammars`: the engine core's compiled grammars, where the core runs in this process (a grammar checked
+        here is then compiled for the core too); otherwise a grammar is only parsed here (structured.py).
         `pooler`: the engine makes embeddings (runner="pooling") of `hidden_size` values."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.pooler, self.hidden_size = pooler, hidden_size
-        self.grammar_compiler = grammar_compiler or self._own_grammar_compiler
+        self.grammar_checks = grammars or self._parsed_grammars
         # No token of the vocabulary spells more characters than its own (byte-level or sentencepiece) string,
         # so text longer than this cannot fit in max_model_len tokens: refused before the tokenizer spends
         # seconds on it (4 MB of text: ~5 s, on the server's event loop).
         self.max_prompt_chars = None if tokenizer is None else limits.max_model_len * max(
             map(len, tokenizer.get_vocab()), default=1)
-        self.grammars: GrammarCompiler | None = None
+        self.parsed: GrammarCache | None = None
 
     def check_prompt_chars(self, num_chars: int) -> None:
         if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
@@ -264,15 +264,15 @@ class InputProcessor:
 
     def check_grammar(self, spec: StructuredOutputsParams) -> None:
         """A schema, regex or grammar that cannot compile is the caller's error (ValueError), found before the
-        request enters the engine (the core's compile of it is then a cache hit where it shares the compiler)."""
+        request enters the engine."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer: this model has none (give tokenizer=PATH)")
-        self.grammar_compiler().compile_async(spec).result()
+        self.grammar_checks().get(spec).result()
 
-    def _own_grammar_compiler(self) -> GrammarCompiler:
-        if self.grammars is None:
-            self.grammars = GrammarCompiler(self.tokenizer, self.limits.vocab_size)
-        return self.grammars
+    def _parsed_grammars(self) -> GrammarCache:
+        if self.parsed is None:
+            self.parsed = GrammarCache(parse_grammar)
+        return self.parsed
 
     def check_length(self, prompt_len: int, max_tokens: int | None) -> int:
         """The request's max_tokens once the prompt and it are known to fit the context (ValueError otherwise):

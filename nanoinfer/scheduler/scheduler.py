@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 
 from nanoinfer.config import EngineConfig
@@ -25,6 +26,8 @@ from nanoinfer.outputs import EngineCoreOutput, ModelRunnerOutput
 from nanoinfer.request import Request, RequestStatus
 from nanoinfer.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from nanoinfer.spec_decode.ngram import NgramProposer
+
+logger = logging.getLogger("nanoinfer")
 
 
 class WaitingQueue:
@@ -88,6 +91,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
+        self.failed: list[EngineCoreOutput] = []  # requests ended before their admission, not yet reported
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner in the next step
@@ -117,6 +121,13 @@ class Scheduler:
             self._free_request(request)
             finished.append(request)
         return finished
+
+    def _fail_unadmitted(self, request: Request) -> None:
+        """End a waiting request that cannot run (it holds no blocks): finish_reason "error", reported with the
+        next outputs (`failed`)."""
+        request.status = RequestStatus.FINISHED_ERROR
+        self._free_request(request)
+        self.failed.append(EngineCoreOutput(request.request_id, [], finish_reason="error"))
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -179,6 +190,10 @@ class Scheduler:
             request = self.waiting.peek()
             if request.grammar is not None and not request.grammar.done():
                 not_ready.append(self.waiting.pop())
+                continue
+            if request.grammar is not None and request.grammar.exception() is not None:
+                logger.warning("request %s fails: %s", request.request_id, request.grammar.exception())
+                self._fail_unadmitted(self.waiting.pop())  # the server parsed its grammar; the compiler refused it
                 continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)

@@ -31,7 +31,6 @@ from nanoinfer.server.core_client import CoreClient, OutputStream
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
                                        template_tools)
-from nanoinfer.sample.structured import GrammarCompiler
 from nanoinfer.sample.think import OPENING, ThinkTags, reply_phase
 from nanoinfer.server.reasoning import ThinkReasoning
 from nanoinfer.server.tool_calls import ToolCallExtractor
@@ -166,10 +165,9 @@ class OpenAIServing:
         self.accepting = True  # False while draining for shutdown
         self.num_beam_searches = 0  # in flight: a drain waits for them too (between steps none of theirs runs)
         self.aborting = False  # the drain's time is up: beam searches take no further step
-        # Large requests are tokenized here (`_tokenizing`), one at a time in arrival order; grammars compile in
-        # their compiler's own threads (`_compiled`).
+        # Large requests are tokenized here (`_tokenizing`), one at a time in arrival order; grammars are checked in
+        # threads of their own (`_checked`).
         self.tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self.grammars: GrammarCompiler | None = None  # the API process's, checking grammars before admission
         if self.tokenizer is not None:
             # transformers clears a tokenizer.json's truncation / padding on the first encode: a write that would
             # race with the event loop's decodes ("Already borrowed") if it first happened in the thread.
@@ -185,19 +183,16 @@ class OpenAIServing:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
-    async def _compiled(self, spec: StructuredOutputsParams | None) -> None:
-        """A request's grammar compiled before its admission checks it (which then finds it compiled), awaited
-        here: it compiles in the compiler's own threads (xgrammar releases the GIL; a schema of 1,500 properties
-        takes seconds), so a slow grammar delays neither the streams, nor the tokenizer thread's large bodies, nor
-        other grammars. A grammar that cannot compile is left for the admission's check to report."""
+    async def _checked(self, spec: StructuredOutputsParams | None) -> None:
+        """A request's grammar checked before its admission does (which then finds it done), awaited here: it is
+        parsed in threads of its own (a schema of 7,000 properties takes ~0.3 s), so a slow grammar delays neither
+        the streams, nor the tokenizer thread's large bodies, nor other grammars. A grammar that cannot compile is
+        left for the admission's check to report."""
         if spec is None or self.tokenizer is None:
             return
-        if self.grammars is None:  # built at the first grammar (~0.2 s of work on the vocabulary), off the loop
-            self.grammars = await asyncio.get_running_loop().run_in_executor(
-                self.tokenizer_thread, self.client.input_processor.grammar_compiler)
-        compiler = self.grammars
-        with contextlib.suppress(ValueError):  # (shielded: a client that leaves cancels not the shared compile)
-            await asyncio.shield(asyncio.wrap_future(compiler.compile_async(spec)))
+        future = self.client.input_processor.grammar_checks().get(spec)
+        with contextlib.suppress(ValueError):  # (shielded: a client that leaves cancels not the shared check)
+            await asyncio.shield(asyncio.wrap_future(future))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
@@ -414,7 +409,7 @@ class OpenAIServing:
             return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt)
 
         try:
-            await self._compiled(getattr(params, "structured_outputs", None))
+            await self._checked(getattr(params, "structured_outputs", None))
             prompts, admitted = await self._tokenizing(raw, admit)
             if not (self.accepting or beam_step):  # the drain began while the prompt was tokenized
                 raise ApiError(503, "the server is shutting down")
