@@ -59,6 +59,8 @@ def test_a_reply_is_read_from_its_first_phase():
     assert read("deepseek_r1", ["Paris</think>x"], CONTENT) == ("", "Paris</think>x")
     assert read("qwen3", ["<think>a</think>b"], REASONING) == ("a", "b")  # the prompt opened it, the reply again
     assert read("qwen3", ["a</think>b"], REASONING) == ("a", "b")
+    strict = ThinkReasoning(OPENING, first_token=True)  # the engine decided: "\n" first, so no think block
+    assert strict.feed("\n<think>a</think>b", True) == ("", "\n<think>a</think>b")
     for parser in ("qwen3", "deepseek_r1"):
         assert read(parser, ['{"city": "Paris"}'], OPENING) == ("", '{"city": "Paris"}')
         assert read(parser, ["<think>a</think>{}"], OPENING) == ("a", "{}")
@@ -150,11 +152,18 @@ def test_think_tags_are_single_tokens_or_none(thinking_model, smollm2_path):
     assert ThinkTags.of(tokenizer, None, len(tokenizer)) is None
     assert ThinkTags.of(tokenizer, "qwen3", 49152) is None  # not in the model's vocabulary
     assert ThinkTags.of(AutoTokenizer.from_pretrained(smollm2_path), "qwen3", 49152) is None  # "<", "think", ">"
+    special = AutoTokenizer.from_pretrained(thinking_model[1])
+    special.add_special_tokens({"additional_special_tokens": [START, END]})  # hidden from the text: no use
+    assert ThinkTags.of(special, "qwen3", len(special)) is None
     deepseek = ThinkTags.of(tokenizer, "deepseek_r1", len(tokenizer))
-    for prompt, qwen3_phase, deepseek_phase in [([1, 2], OPENING, REASONING), ([THINK, 5], REASONING, REASONING),
-                                                ([THINK, 5, END_THINK, 6], OPENING, CONTENT),
-                                                ([END_THINK, THINK], REASONING, REASONING)]:
-        assert (tags.first_phase(prompt), deepseek.first_phase(prompt)) == (qwen3_phase, deepseek_phase)
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    for prompt, qwen3_phase, deepseek_phase in [
+        ([1, 2], OPENING, REASONING), ([1, THINK], REASONING, REASONING), ([1, THINK, newline], REASONING, REASONING),
+        ([THINK, newline, END_THINK, newline], OPENING, CONTENT),  # thinking turned off by the template
+        ([END_THINK, THINK], REASONING, REASONING),
+        ([THINK, 5], OPENING, REASONING), ([1, END_THINK, 5, 6], OPENING, REASONING),  # tags in a user's text
+    ]:
+        assert (tags.first_phase(prompt), deepseek.first_phase(prompt)) == (qwen3_phase, deepseek_phase), prompt
     assert [tags.next_phase(OPENING, t) for t in (THINK, END_THINK, 7)] == [REASONING, CONTENT, CONTENT]
     assert [tags.next_phase(REASONING, t) for t in (THINK, END_THINK, 7)] == [REASONING, CONTENT, REASONING]
     assert [tags.next_phase(CONTENT, t) for t in (THINK, END_THINK)] == [CONTENT, CONTENT]
@@ -181,7 +190,8 @@ def test_a_grammar_waits_until_the_reasoning_ends(thinking_model, async_scheduli
         assert opened.token_ids[:2] == [THINK, END_THINK] and opened.text.removeprefix("<think></think>") in ("yes", "no")
         assert reply(llm, {END_THINK: 100}).text in ("yes", "no")  # no <think> first: the grammar from the start
         assert reply(llm, {a: 100}).text in ("yes", "no")
-        assert reply(llm, {a: 100}, prompt=[5, THINK, 6]).text == "a" * 12  # the prompt opened it
+        assert reply(llm, {a: 100}, prompt=[5, 6, THINK]).text == "a" * 12  # the prompt opened it
+        assert reply(llm, {a: 100}, prompt=[5, THINK, 6]).text in ("yes", "no")  # a tag in the user's text
     with LLM(model, tokenizer=tokenizer, reasoning_parser="deepseek_r1", kv_cache_memory_bytes=16 << 20,
              async_scheduling=async_scheduling) as llm:
         free = reply(llm, {a: 100})  # the template opened <think>: reasoning until </think>
@@ -190,6 +200,7 @@ def test_a_grammar_waits_until_the_reasoning_ends(thinking_model, async_scheduli
         assert ended.token_ids[0] == END_THINK and ended.text.removeprefix("</think>") in ("yes", "no")
         assert ended.finish_reason == "stop"
         assert reply(llm, {a: 100}, prompt=[5, THINK, 6, END_THINK]).text in ("yes", "no")  # thinking turned off
+        assert reply(llm, {a: 100}, prompt=[5, END_THINK, 6]).text == "a" * 12  # a tag in the user's text
 
 
 def test_a_reasoning_grammar_resumes_where_it_was(thinking_model):
@@ -224,6 +235,11 @@ def test_a_reasoning_grammar_resumes_where_it_was(thinking_model):
     assert len(allowed()) == len(tokenizer)
     compiler.accept([(grammar, END_THINK)])
     assert allowed() == answer
+    compiler.think = ThinkTags(tokenizer, "qwen3", 63, END_THINK)  # a <think> on an int32's sign bit (63 % 32 == 31)
+    opening = compiler.request_grammar(spec, prompt, len(prompt))
+    mask = compiler.bitmask([opening])
+    assert set(apply_token_bitmask(torch.zeros(1, len(tokenizer)), torch.tensor([0]), mask)[0].isfinite().nonzero()
+               .flatten().tolist()) == answer | {63}
 
 
 def test_the_server_reads_reasoning_where_the_engine_ends_it(thinking_model, tmp_path):
@@ -258,5 +274,8 @@ def test_the_server_reads_reasoning_where_the_engine_ends_it(thinking_model, tmp
         assert answered["reasoning_content"] is None and answered["content"] in ("yes", "no") and finish == "stop"
         off, _ = message({81: 100}, chat_template_kwargs={"enable_thinking": False})
         assert off["reasoning_content"] is None and off["content"] in ("yes", "no")
+        asked = {"messages": [{"role": "user", "content": "What does </think> mean?"}]}  # not the template's tag
+        thinking, _ = message({81: 100}, **asked)
+        assert (thinking["reasoning_content"], thinking["content"]) == ("a" * 12, None)
     finally:
         assert server.stop() == 0, server.log()

@@ -5,12 +5,11 @@
   thinks freely, and the grammar shapes what follows `</think>`;
 - the server returns what comes before it as `reasoning_content` (server/reasoning.py).
 
-Both start from one rule, `reply_phase`: a reply's first phase follows from the parser and the last think tag
-of its prompt, and its reasoning ends at the first `</think>` after that."""
+Both start from one rule, `reply_phase`: a reply's first phase follows from the parser and a think tag the
+prompt ends with (its template's generation prompt), and its reasoning ends at the first `</think>` after that."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 START, END = "<think>", "</think>"
@@ -22,7 +21,7 @@ REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}
 
 
 def reply_phase(parser: str, last_tag: str | None) -> str:
-    """How a reply begins, given its prompt's last think tag (`START`, `END`, or None for neither).
+    """How a reply begins, given the think tag its prompt ends with (`START`, `END`, or None for neither).
 
     REASONING: the prompt left a `<think>` open (a deepseek_r1 template does so without one showing here, and a
     `<think>` the model writes first is part of the opening, not of the reasoning). OPENING (qwen3): the reply
@@ -35,31 +34,36 @@ def reply_phase(parser: str, last_tag: str | None) -> str:
     return CONTENT if last_tag == END else REASONING
 
 
-@dataclass(frozen=True)
 class ThinkTags:
     """A reasoning parser's tags as single token ids of one tokenizer (Qwen3's, DeepSeek-R1's and QwQ's have
-    them): what following a reply token by token needs. A tokenizer that splits the tags into pieces has none;
-    there a grammar applies from the first token, and the reply reasons only where the grammar writes a think
-    block (vLLM refuses such a tokenizer with a reasoning parser)."""
+    them, not special, so they stay in the text): what following a reply token by token needs. A tokenizer that
+    splits the tags into pieces, or hides them as special tokens, has none; there a grammar applies from the first
+    token, and the reply reasons only where the grammar writes a think block (vLLM refuses such a tokenizer)."""
 
-    parser: str
-    start: int
-    end: int
+    def __init__(self, tokenizer, parser: str, start: int, end: int) -> None:
+        self.tokenizer, self.parser, self.start, self.end = tokenizer, parser, start, end
 
     @classmethod
     def of(cls, tokenizer, parser: str | None, vocab_size: int) -> "ThinkTags | None":
-        """The tags in `tokenizer`, if `parser` is set and each is one token of the model's vocabulary."""
+        """The tags in `tokenizer`, if `parser` is set and each is one plain token of the model's vocabulary."""
         if parser is None or tokenizer is None:
             return None
         ids = [tokenizer.encode(tag, add_special_tokens=False) for tag in (START, END)]
-        if not all(len(i) == 1 and i[0] < vocab_size for i in ids):
+        special = set(tokenizer.all_special_ids)
+        if not all(len(i) == 1 and i[0] < vocab_size and i[0] not in special for i in ids):
             return None
-        return cls(parser, ids[0][0], ids[1][0])
+        return cls(tokenizer, parser, ids[0][0], ids[1][0])
 
     def first_phase(self, prompt_token_ids: Sequence[int]) -> str:
-        """`reply_phase` of a prompt given as token ids."""
-        start, end = _last_index(prompt_token_ids, self.start), _last_index(prompt_token_ids, self.end)
-        return reply_phase(self.parser, None if start == end else START if start > end else END)
+        """`reply_phase` of a prompt given as token ids. Only a tag at the prompt's end counts (after it, blanks at
+        most: the template's generation prompt, `<think>\n` or `<think>\n\n</think>\n\n`): a tag in a user's
+        message, or in an earlier turn, says nothing about this reply."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id == self.start or token_id == self.end:
+                return reply_phase(self.parser, START if token_id == self.start else END)
+            if self.tokenizer.decode([token_id]).strip():
+                break
+        return reply_phase(self.parser, None)
 
     def next_phase(self, phase: str, token_id: int) -> str:
         """The phase after the reply's next token."""
@@ -68,12 +72,3 @@ class ThinkTags:
         if phase == REASONING and token_id == self.end:
             return CONTENT
         return phase
-
-
-def _last_index(ids: Sequence[int], token_id: int) -> int:
-    """The position of the last `token_id` in `ids`, -1 if none (a reversed copy searched in C: a Python loop
-    over a long prompt would take milliseconds)."""
-    try:
-        return len(ids) - 1 - list(reversed(ids)).index(token_id)
-    except ValueError:
-        return -1

@@ -299,7 +299,8 @@ class OpenAIServing:
         def choice(d: _Delta, streaming: bool) -> dict:
             c = d.completion
             if d.index not in readers:
-                readers[d.index] = (self.reasoning_parser and ThinkReasoning(self._reply_phase(d.output, constrained)),
+                readers[d.index] = (self.reasoning_parser and ThinkReasoning(self._reply_phase(d.output, constrained),
+                                                                             first_token=self.think is not None),
                                     req.tool_call_extractor(self.tool_call_parser))
             reasoner, extractor = readers[d.index]
             final = c.finish_reason is not None
@@ -331,9 +332,9 @@ class OpenAIServing:
                                    if req.prompt_logprobs is not None else {})
 
     def _reply_phase(self, output: RequestOutput, constrained: bool) -> str:
-        """Where a chat reply starts (sample/think.py): read from its prompt's tokens where the tags are tokens (the
-        engine decides the same way); otherwise from the parser alone, or, under a grammar that applied from the
-        first token, reasoning only where the grammar opens a think block."""
+        """Where a chat reply starts (sample/think.py): read from the end of its prompt where the tags are tokens
+        (the engine decides the same way); otherwise from the parser alone, or, under a grammar that applied from
+        the first token, reasoning only where the grammar opens a think block."""
         if self.think is not None:
             return self.think.first_phase(output.prompt_token_ids)
         return OPENING if constrained else reply_phase(self.reasoning_parser, None)
