@@ -30,8 +30,11 @@ def constrained(spec: StructuredOutputsParams, max_tokens: int = 64, **kw) -> Sa
 
 
 @pytest.fixture(scope="module")
-def smol() -> LLM:
-    return LLM(kv_cache_memory_bytes=64 << 20)
+def smol():
+    # Closed, not left to the collector: a failed grammar's exception, re-raised in a test, keeps the test's frame
+    # (and the engine) reachable, and a tensor-parallel engine later in the run refuses to start beside it.
+    with LLM(kv_cache_memory_bytes=64 << 20) as llm:
+        yield llm
 
 
 def test_smollm2_follows_each_kind_of_grammar(smol: LLM) -> None:
@@ -298,8 +301,8 @@ def test_the_server_checks_a_slow_grammar_beside_other_work(smol: LLM) -> None:
     asyncio.run(run())
 
 
-def test_the_api_process_parses_and_the_core_fails_what_does_not_compile(tiny_models, smollm2_path, monkeypatch,
-                                                                          tmp_path_factory) -> None:
+def test_the_api_process_parses_and_the_core_fails_what_does_not_compile(smollm2_path, monkeypatch, tmp_path_factory,
+                                                                          request) -> None:
     """The server's admission parses a grammar (as vLLM's), never compiling it against the vocabulary (the core
     does that, once); a grammar that parses but does not compile then fails its own request alone in the core
     (finish_reason "error"), the others going on and every block coming back."""
@@ -309,6 +312,7 @@ def test_the_api_process_parses_and_the_core_fails_what_does_not_compile(tiny_mo
     from nanoinfer.sample.structured import GrammarCompiler
 
     llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20)
+    request.addfinalizer(llm.close)
     engine = llm.engine
     with monkeypatch.context() as patch:  # the API process's input processor (no core beside it)
         patch.setattr(GrammarCompiler, "__init__", lambda *a, **k: pytest.fail("the API process compiled"))

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import Request
-from nanoinfer.sample.structured import GrammarCache, parse_grammar
+from nanoinfer.sample.structured import GrammarCache, GrammarCompiler, parse_grammar
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams, child_seed
 
 
@@ -93,15 +93,15 @@ class EngineLimits:
 
 class InputProcessor:
     def __init__(self, tokenizer, limits: EngineLimits,
-                 grammars: Callable[[], GrammarCache] | None = None,
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None,
                  pooler: PoolerConfig | None = None, hidden_size: int = 0) -> None:
-        """`grammars`: the engine core's compiled grammars, where the core runs in this process (a grammar checked
-        here is then compiled for the core too); otherwise a grammar is only parsed here (structured.py).
+        """`grammar_compiler`: the engine core's, where the core runs in this process (a grammar checked here is
+        then compiled for the core too); otherwise a grammar is only parsed here (structured.py).
         `pooler`: the engine makes embeddings (runner="pooling") of `hidden_size` values."""
         self.tokenizer = tokenizer
         self.limits = limits
         self.pooler, self.hidden_size = pooler, hidden_size
-        self.grammar_checks = grammars or self._parsed_grammars
+        self.grammar_compiler = grammar_compiler
         # No token of the vocabulary spells more characters than its own (byte-level or sentencepiece) string,
         # so text longer than this cannot fit in max_model_len tokens: refused before the tokenizer spends
         # seconds on it (4 MB of text: ~5 s, on the server's event loop).
@@ -269,7 +269,10 @@ class InputProcessor:
             raise ValueError("structured_outputs needs a tokenizer: this model has none (give tokenizer=PATH)")
         self.grammar_checks().get(spec).result()
 
-    def _parsed_grammars(self) -> GrammarCache:
+    def grammar_checks(self) -> GrammarCache:
+        """Where a grammar is checked: the core's compiled grammars, or this process's parsed ones."""
+        if self.grammar_compiler is not None:
+            return self.grammar_compiler().grammars
         if self.parsed is None:
             self.parsed = GrammarCache(parse_grammar)
         return self.parsed

@@ -53,7 +53,7 @@ class LLMEngine:
         self.core = EngineCore(config, source)
         self.limits = self.core.limits()
         self.pooler = source.pooler
-        self.input_processor = InputProcessor(self.tokenizer, self.limits, lambda: self.core.runner.grammar_compiler().grammars,
+        self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler,
                                               self.pooler, source.hf_config.hidden_size)
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
         self.default_sampling = source.default_sampling
