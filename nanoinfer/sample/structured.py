@@ -80,7 +80,7 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
             return xgrammar.Grammar.from_regex("|".join(_regex_literal(c) for c in spec.choice))
         return xgrammar.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError) as e:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
-        raise ValueError(f"structured_outputs: the {spec.kind} cannot be compiled: {_first_line(e)}") from None
+        raise _cannot_compile(spec, e) from None
 
 
 class GrammarCompiler:
@@ -118,7 +118,7 @@ class GrammarCompiler:
         try:
             return self.compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
-            raise ValueError(f"structured_outputs: the {spec.kind} cannot be compiled: {_first_line(e)}") from None
+            raise _cannot_compile(spec, e) from None
 
     def request_grammar(self, spec: StructuredOutputsParams, token_ids: list[int], prompt_len: int
                         ) -> "RequestGrammar":
@@ -199,6 +199,10 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 def _regex_literal(text: str) -> str:
     """`text` as a regex matching exactly it (xgrammar's regex syntax: the special characters escaped)."""
     return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}/" else ch for ch in text)
+
+
+def _cannot_compile(spec: StructuredOutputsParams, error: Exception) -> ValueError:
+    return ValueError(f"structured_outputs: the {spec.kind} cannot be compiled: {_first_line(error)}")
 
 
 def _first_line(error: Exception) -> str:

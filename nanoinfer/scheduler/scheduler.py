@@ -188,13 +188,15 @@ class Scheduler:
         not_ready = []  # requests whose grammar still compiles (structured outputs): they keep their place
         while not preempted_any and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request.grammar is not None and not request.grammar.done():
-                not_ready.append(self.waiting.pop())
-                continue
-            if request.grammar is not None and request.grammar.exception() is not None:
-                logger.warning("request %s fails: %s", request.request_id, request.grammar.exception())
-                self._fail_unadmitted(self.waiting.pop())  # the server parsed its grammar; the compiler refused it
-                continue
+            if request.grammar is not None:
+                if not request.grammar.done():
+                    not_ready.append(self.waiting.pop())
+                    continue
+                error = request.grammar.exception()
+                if error is not None:  # the server parsed its grammar; the compiler refused it
+                    logger.warning("request %s fails: %s", request.request_id, error)
+                    self._fail_unadmitted(self.waiting.pop())
+                    continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             new_blocks = kv.allocate_slots(request, num_new, hit_blocks, num_hit)
