@@ -211,8 +211,8 @@ class EngineCore:
             if self.async_scheduling:
                 future, self.in_flight = self.in_flight, future
             outputs = self.scheduler.update_from_output(future.result()) if future is not None else []
-            if self.scheduler.failed:  # requests that ended before admission
-                outputs, self.scheduler.failed = self.scheduler.failed + outputs, []
+            if failed := self.scheduler.take_failed():  # requests that ended before admission
+                outputs = failed + outputs
             if self.debug_checks:
                 self.scheduler.check_invariants()
         except BaseException as e:

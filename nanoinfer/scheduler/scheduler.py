@@ -91,7 +91,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.failed: list[EngineCoreOutput] = []  # requests ended before their admission, not yet reported
+        self._failed: list[EngineCoreOutput] = []  # requests ended before their admission, not yet reported
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the runner in the next step
@@ -124,10 +124,15 @@ class Scheduler:
 
     def _fail_unadmitted(self, request: Request) -> None:
         """End a waiting request that cannot run (it holds no blocks): finish_reason "error", reported with the
-        next outputs (`failed`)."""
+        next outputs (`take_failed`)."""
         request.status = RequestStatus.FINISHED_ERROR
         self._free_request(request)
-        self.failed.append(EngineCoreOutput(request.request_id, [], finish_reason="error"))
+        self._failed.append(EngineCoreOutput(request.request_id, [], finish_reason="error"))
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        """The outputs of requests ended before admission since the last call (the engine core reports them)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
