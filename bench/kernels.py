@@ -36,6 +36,7 @@ from nanoinfer.kernels.skinny_gemm import SkinnyConfig, graph_seconds_per_call, 
 from nanoinfer.kernels.skinny_gemm import choose_config as choose_skinny_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 16, 8, 128, 16, torch.bfloat16
+HIDDEN_SIZE = 1024  # the residual stream rows the deferred input norm's r comes from
 ELEM = 2
 POOL_BYTES = 4 << 30
 L2_MULTIPLE = 4  # rotate over at least this many L2-sizes of data per replay
@@ -178,9 +179,11 @@ def prefill_tiles(base: PagedAttentionConfig, block_ns: tuple[int, ...]) -> list
 
 
 def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
-    """Qwen3's per-head norms + rotary + KV write in one kernel (the step's QKV in, queries out)."""
+    """The deferred input norm + Qwen3's per-head norms + rotary + KV write in one kernel (the step's QKV and
+    residual rows in, queries out)."""
     width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     qkv = torch.randn(num_tokens, width, device="cuda", dtype=DTYPE)
+    hidden = torch.randn(num_tokens, HIDDEN_SIZE, device="cuda", dtype=DTYPE)
     positions = torch.randint(0, 4096, (num_tokens,), device="cuda")
     cos, sin = torch.randn(2, 4096, HEAD_DIM // 2, device="cuda")
     norm_weight = torch.ones(HEAD_DIM, device="cuda", dtype=DTYPE)
@@ -188,35 +191,38 @@ def bench_rotate_and_cache(pool: Pool, num_tokens: int) -> dict:
 
     def run():
         rotate_and_cache(qkv, positions, cos, sin, norm_weight, norm_weight, 1e-6, pool.k_cache, pool.v_cache, slots,
-                         NUM_HEADS)
+                         NUM_HEADS, hidden, 1e-6)
 
     ms = graph_seconds_per_call([run] * 50) * 1e3  # in a CUDA graph, as the decode step runs it
-    # qkv read, queries and K/V (in the cache's dtype) written, positions, slots and the cos/sin rows read.
+    # qkv and residual rows read, queries and K/V (in the cache's dtype) written, positions, slots and the cos/sin
+    # rows read.
     kv_bytes = 2 * num_tokens * NUM_KV_HEADS * HEAD_DIM * pool.k_cache.element_size()
-    nbytes = qkv.numel() * ELEM + num_tokens * NUM_HEADS * HEAD_DIM * ELEM + kv_bytes + num_tokens * (16 + 2 * HEAD_DIM * 4)
+    nbytes = ((qkv.numel() + hidden.numel() + num_tokens * NUM_HEADS * HEAD_DIM) * ELEM + kv_bytes
+              + num_tokens * (16 + 2 * HEAD_DIM * 4))
     return {"tokens": num_tokens, "us": ms * 1e3, "gbps": nbytes / (ms * 1e-3) / 1e9}
 
 
 def bench_fused_elementwise(num_tokens: int, hidden: int = 1024, intermediate: int = 3072) -> dict:
-    """add + RMSNorm and SiLU-and-mul (Qwen3-0.6B widths): our Triton kernels against the same math
-    torch.compile'd as the engine fused it before, device time in a CUDA graph and host time per
-    eager call (what an eager prefill step pays)."""
+    """RMSNorm and SiLU-and-mul (its deferred norm's r from x's rows; Qwen3-0.6B widths): our Triton
+    kernels against the same math torch.compile'd as the engine fused it before, device time in a CUDA graph
+    and host time per eager call (what an eager prefill step pays)."""
     import time
 
     from nanoinfer.kernels.activation import silu_and_mul
     from nanoinfer.kernels.rms_norm import rms_norm
     from nanoinfer.layers.activation import silu_and_mul_math
-    from nanoinfer.layers.layernorm import add_rms_norm_math
+    from nanoinfer.layers.layernorm import DeferredNorm, rms_norm_math
 
-    x, residual = torch.randn(2, num_tokens, hidden, device="cuda", dtype=DTYPE)
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=DTYPE)
     weight = torch.rand(hidden, device="cuda", dtype=DTYPE) + 0.5
     gate_up = torch.randn(num_tokens, 2 * intermediate, device="cuda", dtype=DTYPE)
-    norm_c, silu_c = torch.compile(add_rms_norm_math, dynamic=True), torch.compile(silu_and_mul_math, dynamic=True)
+    input_norm = DeferredNorm(x, 1e-6)
+    norm_c, silu_c = torch.compile(rms_norm_math, dynamic=True), torch.compile(silu_and_mul_math, dynamic=True)
     calls = {
-        "add_rms_norm triton": lambda: rms_norm(x, weight, 1e-6, residual),
-        "add_rms_norm compiled": lambda: norm_c(x, residual, weight, 1e-6),
-        "silu_and_mul triton": lambda: silu_and_mul(gate_up),
-        "silu_and_mul compiled": lambda: silu_c(gate_up),
+        "rms_norm triton": lambda: rms_norm(x, weight, 1e-6),
+        "rms_norm compiled": lambda: norm_c(x, weight, 1e-6),
+        "silu_and_mul triton": lambda: silu_and_mul(gate_up, x, 1e-6),
+        "silu_and_mul compiled": lambda: silu_c(gate_up, input_norm),
     }
     row = {"tokens": num_tokens}
     for name, call in calls.items():

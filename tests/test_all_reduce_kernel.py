@@ -1,8 +1,8 @@
-"""The fused all-reduce + residual add + RMSNorm kernel (nanoinfer.kernels.all_reduce) on one
+"""The fused all-reduce + residual add kernel (nanoinfer.kernels.all_reduce) on one
 device, playing rank 0 of a group whose peers have already arrived: their partial rows sit in
 their regions of rank 0's buffers, as epoch-tagged words (few rows) or as rows with their flags in
 rank 0's flag array showing this call's epoch (more rows). Checks the math against the PyTorch
-path (all-reduce, then `add_rms_norm`) and the protocol: rank 0 pushes its rows into its region
+path (all-reduce, then `+ residual`), bit for bit, and the protocol: rank 0 pushes its rows into its region
 of every peer's buffer, tagged or followed by its flag there, and counts the epochs per slot. Two real GPUs:
 tests/gpu/test_tp_gpu.py.
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 from triton_child import interpreter_child, kernel_test
-
-from nanoinfer.layers.layernorm import rms_norm_math
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -49,7 +47,6 @@ def test_rank0_with_peers_arrived(monkeypatch, dtype: torch.dtype, world: int, r
     buffers = [torch.zeros(slots, world, MAX_ROWS, hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
     ll_buffers = [torch.zeros(slots, world, LL_ROWS, hidden, dtype=torch.int64, device=DEVICE) for _ in range(world)]
     flags = [torch.zeros(slots, MAX_PROGRAMS, world, dtype=torch.int32, device=DEVICE) for _ in range(world)]
-    weight = (1 + 0.1 * torch.randn(hidden, device=DEVICE)).to(dtype)
     kernel = FusedAllReduce(buffers, ll_buffers, flags, 0, MAX_ROWS, hidden)
     assert not kernel.fits(torch.zeros(MAX_ROWS + 1, hidden, dtype=dtype))
 
@@ -65,13 +62,10 @@ def test_rank0_with_peers_arrived(monkeypatch, dtype: torch.dtype, world: int, r
         res = torch.randn(rows, hidden, device=DEVICE).to(dtype) if residual else None
         assert kernel.fits(partials[0])
 
-        out, residual_out = kernel(partials[0], res, weight, 1e-6, slot)
+        out = kernel(partials[0], res, slot)
 
         summed = sum(p.float() for p in partials).to(dtype)  # what an all-reduce hands back
-        want_residual = summed + res if residual else summed
-        assert torch.equal(residual_out, want_residual)
-        tol = 1e-2 if dtype != torch.float32 else 1e-5
-        torch.testing.assert_close(out, rms_norm_math(want_residual, weight, 1e-6), rtol=tol, atol=tol)
+        assert torch.equal(out, summed + res if residual else summed)
         for peer in range(1, world):  # what we sent the peer
             if ll:
                 assert torch.equal(ll_buffers[peer][slot, 0, :rows], words(partials[0], epoch))

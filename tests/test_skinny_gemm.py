@@ -33,11 +33,14 @@ QWEN3_8B_TP2 = {"qkv": (3072, 4096), "o_proj": (4096, 2048), "gate_up": (12288, 
 test_cpu_interpreter_child = interpreter_child(__file__)
 
 
-def rel_err(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> float:
-    ref = x.float() @ weight.float().T
-    if bias is not None:
-        ref = ref + bias.float()
-    return ((out.float() - ref).norm() / ref.norm()).item()
+def rel_err(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            residual: torch.Tensor | None = None) -> float:
+    """Against the float64 product of the same (rounded) inputs, plus bias and residual."""
+    ref = x.double() @ weight.double().T
+    for term in (bias, residual):
+        if term is not None:
+            ref = ref + term.double()
+    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def make(M: int, N: int, K: int, dtype: torch.dtype, bias: bool, seed: int = 0):
@@ -89,6 +92,27 @@ def test_split_k_matches_reference_and_leaves_counters_zero(config, dtype):
     assert rel_err(no_split, x, w, b) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 7, 16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("config", [split_config(1), split_config(4, block_k=32)], ids=lambda c: f"s{c.split_k}")
+@kernel_test
+def test_residual_added_in_place(config, M, dtype, bias):
+    """With a residual the kernel returns residual + x @ W^T + b, rounded once, in the residual
+    itself: here a view into a wider buffer (row stride > N) whose other columns stay as they were.
+    Split-K (K=200 over 4 ranges): the last-arriving program adds it."""
+    N, K = 72, 200
+    x, w, b = make(M, N, K, dtype, bias)
+    buffer = torch.randn(M, N + 8, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    before = buffer.clone()
+    residual = buffer[:, 4 : N + 4]
+    out = sg.skinny_linear(x, w, b, residual=residual, config=config)
+    assert out is residual
+    assert rel_err(out, x, w, b, before[:, 4 : N + 4]) < REL_TOL[dtype]
+    assert torch.equal(buffer[:, :4], before[:, :4]) and torch.equal(buffer[:, N + 4 :], before[:, N + 4 :])
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
 @kernel_test
 def test_non_contiguous_inputs():
     """x as a transposed view and as a column slice, weight as a slice of a wider matrix
@@ -109,7 +133,8 @@ def test_non_contiguous_inputs():
 @kernel_test
 def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     """Forced on (the CPU interpreter stands in for the GPU): the layers' forward goes
-    through the kernel for a chosen shape and bucket, and matches F.linear."""
+    through the kernel for a chosen shape and bucket, and matches F.linear; the row-parallel
+    layer adds into the residual in place."""
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(dispatch, "_enabled", True)
     calls = []
@@ -124,11 +149,14 @@ def test_dispatcher_runs_skinny_when_chosen(monkeypatch):
     monkeypatch.setitem(dispatch._choices, (4, 96, 64, torch.float32), split_config(1))  # M bucket 4: M = 3, 4
     monkeypatch.setitem(dispatch._choices, (4, 64, 96, torch.float32), split_config(2, block_k=32))
     x = torch.randn(3, 64, device=DEVICE)
-    hidden = col(x)
-    out = row(hidden)
+    hidden, _ = col(x, 1e-6)  # the deferred norm's scale and bias are the next kernel's
+    residual = torch.randn(3, 64, device=DEVICE)
+    want = residual + F.linear(hidden, row.weight, row.bias)
+    out = row(hidden, residual)
     assert calls == [(3, 64), (3, 96)]
-    torch.testing.assert_close(hidden, F.linear(x, col.weight, col.bias), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, F.linear(hidden, row.weight, row.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, F.linear(x, col.weight), rtol=1e-5, atol=1e-5)
+    assert out is residual
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
 # ----- input validation (raises before any launch: runs in the parent too) -----
@@ -155,6 +183,20 @@ def test_invalid_inputs_raise(x_shape, w_shape, b_shape, dtypes, match):
     b = torch.zeros(b_shape, dtype=b_dtype) if b_shape else None
     with pytest.raises(ValueError, match=match):
         sg.skinny_linear(x, w, b)
+
+
+@pytest.mark.parametrize(
+    "residual,match",
+    [
+        (torch.zeros(2, 5), "residual must have shape"),
+        (torch.zeros(3, 4), "residual must have shape"),
+        (torch.zeros(2, 4, dtype=torch.float16), "residual dtype"),
+        (torch.zeros(4, 2).t(), "unit stride along N"),
+    ],
+)
+def test_invalid_residual_raises(residual, match):
+    with pytest.raises(ValueError, match=match):
+        sg.skinny_linear(torch.zeros(2, 8), torch.zeros(4, 8), residual=residual)
 
 
 def test_config_that_cannot_cover_m_raises():
@@ -235,11 +277,16 @@ def test_choose_config_rejects_bad_m():
 
 @pytest.fixture
 def chosen(monkeypatch):
-    """Dispatcher on, every tested shape chosen, and skinny_linear replaced by a recorder."""
+    """Dispatcher on, every tested shape chosen, and skinny_linear replaced by a recorder of x's shape
+    (and whether a residual came)."""
     calls = []
+
+    def record(x, w, b=None, *, residual=None, config=None):
+        calls.append(tuple(x.shape) if residual is None else (tuple(x.shape), "residual"))
+        return F.linear(x, w, b) if residual is None else residual.add_(F.linear(x, w, b))
+
     monkeypatch.setattr(dispatch, "_enabled", True)
-    monkeypatch.setattr(sg, "skinny_linear",
-                        lambda x, w, b=None, config=None: calls.append(tuple(x.shape)) or F.linear(x, w, b))
+    monkeypatch.setattr(sg, "skinny_linear", record)
     for bucket in (1, 2, 4, 8, 16, 32):
         monkeypatch.setitem(dispatch._choices, (bucket, 24, 32, torch.float32), split_config(1))
     return calls
@@ -249,6 +296,30 @@ def test_dispatcher_uses_f_linear_on_cpu(chosen):
     x, w = torch.randn(2, 32), torch.randn(24, 32)
     torch.testing.assert_close(dispatch.linear(x, w), F.linear(x, w))
     assert chosen == [] and dispatch.skinny_config(x, w) is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dispatcher_residual_on_cpu_is_addmm_in_place(chosen, bias):
+    """Off the kernel's device, a residual is updated by `addmm_` (cuBLAS's beta=1 on GPU), then the
+    bias, and returned."""
+    x, w = torch.randn(3, 32), torch.randn(24, 32)
+    b = torch.randn(24) if bias else None
+    residual = torch.randn(3, 24)
+    want = residual.addmm(x, w.t())
+    if bias:
+        want = want + b
+    assert dispatch.linear(x, w, b, residual) is residual
+    assert torch.equal(residual, want) and chosen == []
+
+
+def test_dispatcher_passes_the_residual_to_skinny(chosen, monkeypatch):
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
+    x, w, b = torch.randn(2, 32), torch.randn(24, 32), torch.randn(24)
+    residual = torch.randn(2, 24)
+    want = residual + F.linear(x, w, b)
+    assert dispatch.linear(x, w, b, residual) is residual
+    torch.testing.assert_close(residual, want)
+    assert chosen == [((2, 32), "residual")]
 
 
 def test_dispatcher_choice_needs_enabled_bucket_and_shape(chosen, monkeypatch):
@@ -277,15 +348,17 @@ def test_m_bucket():
 
 
 def test_tuning_is_a_no_op_on_cpu(monkeypatch):
-    """`tune_skinny_gemm` groups the model's linear layers by (N, K, dtype) (a row-parallel
-    layer's bias as it passes it) and, without CUDA, records nothing."""
+    """`tune_skinny_gemm` groups the model's linear layers by (N, K, dtype), each with the bias its matmul
+    adds (a column-parallel layer's none: `DeferredNorm` adds it after the scale) and, without CUDA,
+    records nothing."""
     model = torch.nn.ModuleDict({
         "a": ColumnParallelLinear(32, 24, bias=True), "b": ColumnParallelLinear(32, 24),
         "c": RowParallelLinear(24, 32, bias=True), "norm": torch.nn.LayerNorm(8),
     })
     groups = sg.linear_weights(model)
     assert sorted(groups) == [(24, 32, torch.float32), (32, 24, torch.float32)]
-    assert [b is not None for _, b in groups[(24, 32, torch.float32)]] == [True, False]
+    assert [b is not None for _, b in groups[(24, 32, torch.float32)]] == [False, False]
+    assert [b is not None for _, b in groups[(32, 24, torch.float32)]] == [True]
     monkeypatch.setattr(dispatch, "_choices", {})
     assert sg.tune_skinny_gemm(model, [1, 2, 4, 8, 16, 32]) == {}
     assert dispatch._choices == {}

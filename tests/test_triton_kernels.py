@@ -215,6 +215,19 @@ def test_fp8_cache_values_are_finite():
     assert to_cache_dtype(x, torch.float32)[0].isnan()  # other caches store what they are given
 
 
+def make_input_norm(num_tokens, hidden_size, dtype, *, bias_width=None, seed=2):
+    """A layer's deferred input norm (`DeferredNorm`): residual stream rows with a row stride, of scales from
+    0.1 to 100 (row 0 at 1), so r differs by row and matters; given bias_width, the projection's bias."""
+    from nanoinfer.layers.layernorm import DeferredNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    scales = 10 ** (3 * torch.rand(num_tokens, 1, generator=gen) - 1)
+    scales[0] = 1.0
+    hidden = (scales * torch.randn(num_tokens, hidden_size + 3, generator=gen)).to(DEVICE, dtype)[:, :hidden_size]
+    bias = None if bias_width is None else torch.randn(bias_width, generator=gen).to(DEVICE, dtype)
+    return DeferredNorm(hidden, 1e-6, bias)
+
+
 def make_qkv_inputs(num_tokens, num_heads, num_kv_heads, head_dim, dtype, *, qk_norm, seed=1):
     """A fused QKV projection output (with extra columns, so rows are strided), positions,
     and the rotary table and Qwen3 head norms of a small model."""
@@ -250,12 +263,16 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
     md.slot_mapping = torch.tensor(slots + [-1], dtype=torch.int64, device=DEVICE)
     qkv, _, rope, (q_norm, k_norm) = make_qkv_inputs(len(slots) + 1, 4, 2, 64, torch.float16, qk_norm=True)
     positions = torch.tensor(positions + [0], device=DEVICE)
+    input_norm = make_input_norm(len(slots) + 1, 96, torch.float16, bias_width=qkv.shape[1])
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, md.slot_mapping, 4)
-    query = backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md.slot_mapping, 4)
+    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v,
+                                                     md.slot_mapping, 4, input_norm)
+    query = backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, md.slot_mapping, 4,
+                                     input_norm)
     torch.testing.assert_close(query, ref_q, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(k_cache.nan_to_num(7.0), ref_k.nan_to_num(7.0), rtol=1e-3, atol=1e-3)
-    assert torch.equal(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0))
+    # V: the deferred norm's rounding (r's last float32 bit may move it one ulp).
+    torch.testing.assert_close(v_cache.nan_to_num(7.0), ref_v.nan_to_num(7.0), rtol=2**-10, atol=0.0)
     out = backend.forward(query, k_cache, v_cache, md, 0.125)
     assert rel_err(out, reference(query, k_cache, v_cache, md, 0.125), sum(q_lens)) < REL_TOL[torch.float16]
 
@@ -265,15 +282,16 @@ def test_backend_rotate_cache_then_attend_matches_torch_backend():
     [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
      (torch.bfloat16, torch.float8_e4m3fn)],
 )
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("dim_major_v,heads_per_program", [(False, 1), (True, 2), (False, 4), (False, 8)])
 @kernel_test
-def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm, dim_major_v,
+def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype, qk_norm, bias, dim_major_v,
                                                               heads_per_program):
-    """Against the PyTorch path (norms, rotary, KV write as separate ops): the same rounding
-    steps, so within two ulps of the output dtype at the largest value (fused multiply-adds;
+    """Against the PyTorch path (deferred input norm, head norms, rotary, KV write as separate ops): the same
+    rounding steps, so within two ulps of the output dtype at the largest value (fused multiply-adds;
     Triton's interpreter truncates float32 -> bf16 where the GPU rounds to nearest, at each of
-    the norm's and the rotation's roundings). A wrong angle, sign or head is off by O(1).
+    the norms' and the rotation's roundings). A wrong angle, sign, head, r or bias is off by O(1): the
+    residual rows behind the tokens differ in scale by up to 1000 (`make_input_norm`), 1000 wide.
     An fp8 cache (GPU only): within one fp8 ulp, a K and a V value of +-1000 saturate to +-448
     and a NaN V value is stored as 0, in both paths. V in K's layout or dim-major (`dim_major_view`); one
     to eight heads per program (9 heads: a program may hold query and key heads, or masked rows)."""
@@ -286,17 +304,19 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
     if dim_major_v:
         v_cache = dim_major_view(v_cache.contiguous())  # other values, same checks
     qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(9, num_heads, num_kv_heads, head_dim, dtype, qk_norm=qk_norm)
-    qkv[0, num_heads * head_dim] = 1000.0  # token 0's first K and V values
+    qkv[0, num_heads * head_dim] = 1000.0  # token 0's first K and V values (its r is about 1)
     qkv[0, (num_heads + num_kv_heads) * head_dim] = -1000.0
     fp8 = cache_dtype == torch.float8_e4m3fn
     if fp8:
         qkv[1, (num_heads + num_kv_heads) * head_dim + 1] = float("nan")  # token 1's second V value
     slot_mapping = torch.tensor([0, 17, -1, 15, 16, 95, -1, 40, 63], dtype=torch.int64, device=DEVICE)
+    input_norm = make_input_norm(9, 1000, dtype, bias_width=qkv.shape[1] if bias else None)
     ref_k, ref_v, original_k, original_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
-    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slot_mapping, num_heads)
+    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slot_mapping,
+                                                     num_heads, input_norm)
     weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else (None, None, 0.0)
     query = rc.rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache, *weights, k_cache, v_cache, slot_mapping,
-                                num_heads, heads_per_program)
+                                num_heads, input_norm.hidden, input_norm.eps, input_norm.bias, heads_per_program)
     ulp = {torch.float32: 2**-22, torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float8_e4m3fn: 2**-3}
 
     def assert_close(out, ref, dtype):
@@ -305,8 +325,10 @@ def test_rotate_and_cache_matches_reference_and_skips_padding(dtype, cache_dtype
 
     assert_close(query, ref_q, dtype)
     assert_close(k_cache, ref_k, cache_dtype)
-    torch.testing.assert_close(v_cache.float(), ref_v.float(), rtol=ulp[cache_dtype] if dtype != cache_dtype else 0.0,
-                               atol=2**-9 if fp8 else 0.0)  # fp8's subnormal step
+    # V: the deferred norm's one rounding (the interpreter's truncation, or r's last float32 bit, may move it
+    # one ulp; after a cancelling bias, that bit of the scaled value), then the cache's (fp8: its subnormal step).
+    atol = ulp[torch.float32] * ref_v.float().abs().max().item() + (2**-9 if fp8 else 0.0)
+    torch.testing.assert_close(v_cache.float(), ref_v.float(), rtol=ulp[cache_dtype], atol=atol)
     if fp8:
         assert v_cache[0, 0, 0, 0].item() == ref_v[0, 0, 0, 0].item() == -448.0  # slot 0
         assert v_cache[1, 1, 0, 1].item() == ref_v[1, 1, 0, 1].item() == 0.0  # slot 17: NaN stored as 0
@@ -330,7 +352,8 @@ def test_heads_per_program():
     for bad in (3, -2):
         with pytest.raises(ValueError, match="heads_per_program must be a power of two"):
             rc.rotate_and_cache(qkv, torch.zeros(1, dtype=torch.int64), table, table, None, None, 1e-6, cache, cache,
-                                torch.zeros(1, dtype=torch.int64), num_heads=2, heads_per_program=bad)
+                                torch.zeros(1, dtype=torch.int64), num_heads=2, hidden=torch.ones(1, 64),
+                                hidden_eps=1e-6, heads_per_program=bad)
 
 
 @kernel_test
@@ -402,9 +425,22 @@ def test_bad_inputs_raise_clear_errors():
     qkv = torch.zeros(2, 8 * 64, device=DEVICE)
     cos = torch.zeros(16, 32, device=DEVICE)
     positions = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    hidden = torch.ones(2, 96, device=DEVICE)
+
+    def rotate(qkv=qkv, cos=cos, slot_mapping=md.slot_mapping, hidden=hidden, qkv_bias=None):
+        return rc.rotate_and_cache(qkv, positions, cos, cos, None, None, 0.0, k_cache, v_cache, slot_mapping, 4, hidden,
+                                   1e-6, qkv_bias)
+
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
-        rc.rotate_and_cache(qkv, positions, cos, cos, None, None, 0.0, k_cache, v_cache, md.slot_mapping.int(), 4)
+        rotate(slot_mapping=md.slot_mapping.int())
     with pytest.raises(ValueError, match=r"qkv must be \[num_tokens"):
-        rc.rotate_and_cache(qkv[:, :-64], positions, cos, cos, None, None, 0.0, k_cache, v_cache, md.slot_mapping, 4)
+        rotate(qkv=qkv[:, :-64])
     with pytest.raises(ValueError, match="cos/sin tables"):
-        rc.rotate_and_cache(qkv, positions, cos[:, :16], cos[:, :16], None, None, 0.0, k_cache, v_cache, md.slot_mapping, 4)
+        rotate(cos=cos[:, :16])
+    too_wide, strided = torch.ones(2, 16385, device=DEVICE), torch.ones(96, 2, device=DEVICE).t()
+    for bad_hidden in (hidden[:1], hidden.half(), strided, too_wide):
+        with pytest.raises(ValueError, match=r"hidden must be \[2, hidden_size <= 16384\] in qkv's dtype"):
+            rotate(hidden=bad_hidden)
+    for bad_bias in (torch.ones(8 * 64 - 1, device=DEVICE), torch.ones(8 * 64, 2, device=DEVICE)[:, 0]):
+        with pytest.raises(ValueError, match=r"qkv_bias must be None or a contiguous \[512\]"):
+            rotate(qkv_bias=bad_bias)

@@ -4,10 +4,11 @@ A backend owns two operations over one layer's paged cache, whose K and V
 halves are `[num_blocks, block_size, num_kv_heads, head_dim]` views into the
 engine's single preallocated KV tensor:
 
-* `rotate_and_cache` takes the fused QKV projection, applies the per-head
-  norms (Qwen3) and rotary embedding, stores this step's K/V rows at their
-  `slot_mapping` slots and returns the queries (one op, so a GPU backend can
-  do it in one kernel);
+* `rotate_and_cache` takes the fused QKV projection of the un-normalised
+  residual stream, applies the layer's deferred input norm (`DeferredNorm`:
+  its r and the projection's bias), the per-head norms (Qwen3) and rotary
+  embedding, stores this step's K/V rows at their `slot_mapping` slots and
+  returns the queries (one op, so a GPU backend can do it in one kernel);
 * `forward` runs causal attention of the step's queries over each sequence's
   whole context, read through its block table.
 
@@ -21,7 +22,7 @@ from typing import Protocol
 import torch
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import DeferredNorm, RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
 
 
@@ -39,6 +40,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
         num_heads: int,
+        input_norm: DeferredNorm,  # the layer's input RMSNorm, its weight folded into the projection
     ) -> torch.Tensor:  # queries [num_tokens, num_heads, head_dim]
         ...
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer.attention.metadata import AttentionMetadata
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import DeferredNorm, RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
 
 
@@ -16,7 +16,9 @@ class TorchAttentionBackend:
     name = "torch"
 
     def rotate_and_cache(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
-                         k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:
+                         k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int,
+                         input_norm: DeferredNorm) -> torch.Tensor:
+        qkv = input_norm.apply(qkv)
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         if q_norm is not None:

@@ -1,8 +1,8 @@
-"""Attention backend on our Triton kernels: `rotate_and_cache` normalises and
-rotates the step's queries and keys and scatters new K/V rows into the paged
-cache in one kernel, `forward` runs paged attention with a launch shape picked
-from the metadata's host ints, so a decode step never syncs the device and
-can be captured in a CUDA graph."""
+"""Attention backend on our Triton kernels: `rotate_and_cache` applies the
+deferred input norm, normalises and rotates the step's queries and keys and
+scatters new K/V rows into the paged cache in one kernel, `forward` runs paged
+attention with a launch shape picked from the metadata's host ints, so a decode
+step never syncs the device and can be captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from nanoinfer.kernels import num_sms
 from nanoinfer.kernels.attention_config import PagedAttentionConfig, choose_config
 from nanoinfer.kernels.paged_attention import paged_attention
 from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import DeferredNorm, RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
 
 
@@ -21,12 +21,14 @@ class TritonAttentionBackend:
     name = "triton"
 
     def rotate_and_cache(self, qkv, positions, rope: RotaryEmbedding, q_norm: RMSNorm | None,
-                         k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int) -> torch.Tensor:
+                         k_norm: RMSNorm | None, k_cache, v_cache, slot_mapping, num_heads: int,
+                         input_norm: DeferredNorm) -> torch.Tensor:
         if (q_norm is None) != (k_norm is None) or (q_norm is not None and q_norm.eps != k_norm.eps):
             raise ValueError("q_norm and k_norm must both be given, with the same eps, or neither")
         return rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache,
                                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                                0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping, num_heads)
+                                0.0 if q_norm is None else q_norm.eps, k_cache, v_cache, slot_mapping, num_heads,
+                                input_norm.hidden, input_norm.eps, input_norm.bias)
 
     def launch_config(self, query, k_cache, metadata: AttentionMetadata) -> PagedAttentionConfig:
         """The kernel's tiles and split count for this batch, from host ints only."""

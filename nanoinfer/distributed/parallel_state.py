@@ -31,7 +31,7 @@ LEAVE_TIMEOUT_S = 60.0
 
 _control_group: dist.ProcessGroup | None = None
 _uses_nccl = False
-# The fused all-reduce + add + RMSNorm's kernel and buffers (`enable_symmetric_all_reduce`).
+# The fused all-reduce + add's kernel and buffers (`enable_symmetric_all_reduce`).
 _fused_all_reduce: FusedAllReduce | None = None
 # Whether this process has set up symmetric memory for a TP group before: torch cannot set it up for a
 # second group of the same name (a later engine in the same process; its rendezvous hangs).
@@ -144,9 +144,9 @@ def tp_min(value: int) -> int:
 
 def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) -> bool:
     """Sum the decoder's row-parallel outputs of up to `max_rows` x `hidden` elements of `dtype`
-    (a decode step's) in our Triton kernel that also adds the residual and normalises
-    (`nanoinfer.kernels.all_reduce`; on two H200s 5.5 us at 1 row against 9.8 us for NCCL then
-    the compiled add + norm, bench/allreduce.py), over buffers in torch symmetric memory that peers write over NVLink.
+    (a decode step's) in our Triton kernel that also adds the residual (`nanoinfer.kernels.all_reduce`;
+    on two H200s, when it also normalised, 5.5 us at 1 row against 9.8 us for NCCL then the compiled
+    add + norm: bench/allreduce.py), over buffers in torch symmetric memory that peers write over NVLink.
     NANOINFER_FUSED_ALL_REDUCE=0 keeps NCCL. Every rank calls this, in the same order: the buffers'
     rendezvous is collective, so the ranks first agree that all of them can: not when torch lacks
     it, nor in a process that set it up for an earlier engine (torch's rendezvous for a new group
@@ -188,7 +188,7 @@ def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) 
 
 
 def fused_all_reduce() -> FusedAllReduce | None:
-    """The all-reduce + add + RMSNorm kernel's state when it is on (see enable_symmetric_all_reduce)."""
+    """The all-reduce + add kernel's state when it is on (see enable_symmetric_all_reduce)."""
     return _fused_all_reduce
 
 

@@ -1,8 +1,10 @@
 """One Triton kernel for what follows every row-parallel layer of a tensor-parallel
-decoder at decode sizes: sum the ranks' partial outputs, add the residual stream,
-RMS-normalise. As separate ops that was a copy into a symmetric-memory buffer,
-torch's one-shot all-reduce and the compiled add + norm: three kernels and their
-launch gaps, twice per layer (bench/NOTES.md, TP section).
+decoder at decode sizes: sum the ranks' partial outputs and add the residual stream.
+As separate ops that was a copy into a symmetric-memory buffer, torch's one-shot
+all-reduce and the add: three kernels and their launch gaps, twice per layer
+(bench/NOTES.md, TP section). It no longer RMS-normalises: the decoder's norms moved
+into the kernels after the next matmul, whose weights hold the norm's weight
+(`DeferredNorm`, layers/layernorm.py).
 
 Each rank owns buffers in torch symmetric memory (mapped into every peer over
 NVLink) with one region per sender. Every rank cuts the rows into the same chunks,
@@ -21,15 +23,15 @@ peers' rows in its own, local, memory:
 
 Then it sums every rank's rows in rank order, in float32, so every rank computes
 bit-identical sums; rounds to the model dtype as an all-reduce would; adds the
-residual (rounded, as `x + residual` is); normalises as `rms_norm_math` does.
+residual (rounded, as `x + residual` is).
 
 A peer may start the next call while we still read this one's rows, so consecutive
-calls must use different slots: the decoder's post-attention norms use slot 0, its
-input and final norms 1, the first layer's input norm (which sums the vocab-parallel
-embedding and has no residual yet) 2. A peer can write a slot again only after it has
-our rows of the call in between, which we send only once this call is done. Stale
-words never pass for new ones: a row's words are written by the same program each
-time (one row per program below LL_ROWS), whose epoch only grows.
+calls must use different slots: the row-parallel layers o_proj use slot 0 and
+down_proj 1, the vocab-parallel embedding (which has no residual) 2. A peer can write
+a slot again only after it has our rows of the call in between, which we send only
+once this call is done. Stale words never pass for new ones: a row's words are written
+by the same program each time (one row per program below LL_ROWS), whose epoch only
+grows.
 """
 
 from __future__ import annotations
@@ -42,28 +44,21 @@ from nanoinfer.kernels import pdl_enabled
 
 
 @triton.jit
-def _add_norm_store(total, partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, offsets, cols, mask,
-                    hidden, eps, HAS_RESIDUAL: tl.constexpr):
+def _add_store(total, partial_ptr, residual_ptr, out_ptr, offsets, mask, HAS_RESIDUAL: tl.constexpr):
     """Round the float32 sum to the model dtype (as an all-reduce hands it back), add the residual
-    (rounded, as `x + residual` is), store it and its RMSNorm (as `rms_norm_math`)."""
+    (rounded, as `x + residual` is), store."""
     dtype = partial_ptr.dtype.element_ty
-    residual = total.to(dtype)
+    out = total.to(dtype)
     if HAS_RESIDUAL:
-        residual = (residual.to(tl.float32) + tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    tl.store(residual_out_ptr + offsets, residual, mask=mask)
-    r32 = residual.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(r32 * r32, axis=0) / hidden + eps)
-    normed = (r32 * rstd).to(dtype) * tl.load(weight_ptr + cols, mask=mask)
-    tl.store(out_ptr + offsets, normed, mask=mask)
+        out = (out.to(tl.float32) + tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + offsets, out, mask=mask)
 
 
 @triton.jit
-def _all_reduce_add_rms_norm_kernel(
+def _all_reduce_add_kernel(
     partial_ptr,
     residual_ptr,
-    weight_ptr,
     out_ptr,
-    residual_out_ptr,
     buffer_ptrs,  # int64 [world]: every rank's buffer for this slot, [world (sender), max_rows, hidden]
     flag_ptrs,  # int64 [world]: every rank's flags for this slot, int32 [MAX_PROGRAMS, world (sender)]
     epoch_ptr,  # int32 [MAX_PROGRAMS]: this rank's calls per program in this slot
@@ -72,7 +67,6 @@ def _all_reduce_add_rms_norm_kernel(
     rows_per_program,
     hidden,
     region_size,  # rows x hidden of one sender's region (max_rows, or LL_ROWS with LL)
-    eps,
     WORLD: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -114,8 +108,7 @@ def _all_reduce_add_rms_norm_kernel(
                 total += word.to(BITS).to(partial_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if USE_PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        _add_norm_store(total, partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, offsets, cols,
-                        mask, hidden, eps, HAS_RESIDUAL)
+        _add_store(total, partial_ptr, residual_ptr, out_ptr, offsets, mask, HAS_RESIDUAL)
     else:
         dtype = partial_ptr.dtype.element_ty
         first = program * rows_per_program
@@ -150,8 +143,7 @@ def _all_reduce_add_rms_norm_kernel(
                 else:
                     total += tl.load(own_buffer + r * region_size + offsets, mask=mask, other=0.0,
                                      volatile=True).to(tl.float32)
-            _add_norm_store(total, partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, offsets, cols,
-                            mask, hidden, eps, HAS_RESIDUAL)
+            _add_store(total, partial_ptr, residual_ptr, out_ptr, offsets, mask, HAS_RESIDUAL)
 
 
 class FusedAllReduce:
@@ -192,23 +184,21 @@ class FusedAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden and x.dtype == self.dtype
 
-    def __call__(self, partial: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(s), s) with s = the sum over ranks of `partial` (+ `residual` when given);
-        see the module doc."""
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor | None, slot: int) -> torch.Tensor:
+        """The sum over ranks of `partial` (+ `residual` when given), in a new tensor; see the module doc."""
         partial = partial.contiguous()
         rows = partial.shape[0]
-        out, residual_out = torch.empty_like(partial), torch.empty_like(partial)
+        out = torch.empty_like(partial)
         if rows == 0:
-            return out, residual_out
+            return out
         ll = rows <= self.LL_ROWS
         rows_per_program = 1 if ll else triton.cdiv(rows, self.MAX_PROGRAMS)
         block = triton.next_power_of_2(self.hidden)
-        _all_reduce_add_rms_norm_kernel[(triton.cdiv(rows, rows_per_program),)](
-            partial, residual.contiguous() if residual is not None else partial, weight, out, residual_out,
+        _all_reduce_add_kernel[(triton.cdiv(rows, rows_per_program),)](
+            partial, residual.contiguous() if residual is not None else partial, out,
             (self.ll_buffer_ptrs if ll else self.buffer_ptrs)[slot], self.flag_ptrs[slot], self.epochs[slot],
-            self.rank, rows, rows_per_program, self.hidden, (self.LL_ROWS if ll else self.max_rows) * self.hidden, eps,
+            self.rank, rows, rows_per_program, self.hidden, (self.LL_ROWS if ll else self.max_rows) * self.hidden,
             WORLD=self.world, BLOCK=block, HAS_RESIDUAL=residual is not None, LL=ll, BITS=self._BITS[self.dtype.itemsize],
             USE_PDL=self.use_pdl, num_warps=8 if block >= 4096 else 4, launch_pdl=self.use_pdl,
         )
-        return out, residual_out
+        return out

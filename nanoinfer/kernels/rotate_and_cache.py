@@ -1,5 +1,8 @@
 """Triton kernel for everything between the QKV projection and attention, in one launch:
-split the fused projection, RMS-normalise each query and key head (Qwen3), rotate
+apply the layer's deferred input norm (the projection reads the un-normalised residual
+stream, the norm's weight folded into it: r from the token's residual row, then the
+projection's bias, `DeferredNorm`), split the fused projection, RMS-normalise each query
+and key head (Qwen3), rotate
 queries and keys (RoPE, neox halves), return the queries and store this step's K/V
 rows at their `slot_mapping` slots in the paged cache.
 
@@ -8,11 +11,13 @@ KV write), which at decode batch sizes cost far more in launches and poorly fuse
 index math than their few kilobytes of traffic. One program handles up to eight
 consecutive heads of one token (query heads first, then KV heads, as the projection
 lays them out) as one [heads, head_dim] tile, so all their loads are in flight at
-once; a KV head also copies its V row. A slot of -1 marks a padding row (a CUDA-graph
+once; a KV head also copies its V row. Each program reads its token's residual row for
+the deferred norm's r (a token's row is read by about three programs: a few KB more). A slot of -1 marks a padding row (a CUDA-graph
 batch padded to its bucket): its K/V are not stored, so the launch never needs the
 host to look at slot_mapping.
 
-Rounding follows the PyTorch path (`rms_norm_math`, `_rotate` in layers/): norm
+Rounding follows the PyTorch path (`rms_scale_math`, `rms_norm_math`, `_rotate` in
+layers/): the deferred norm's scale and bias in float32, rounded to the model dtype; norm
 statistics in float32, normalised value rounded to the model dtype before the
 weight multiply, rotation in float32, result rounded once.
 """
@@ -24,6 +29,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels import pdl_enabled
+from nanoinfer.kernels.deferred_norm import MAX_HIDDEN, bias_fits, block_hidden, hidden_fits, rms_scaled, row_rms_scale
 
 
 @triton.jit
@@ -38,6 +44,8 @@ def _rotate_and_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    hidden_ptr,
+    qkv_bias_ptr,
     stride_qkv,
     stride_query,
     stride_rope,
@@ -48,12 +56,17 @@ def _rotate_and_cache_kernel(
     stride_vs,
     stride_vh,
     stride_vd,
+    stride_hidden,
+    n_hidden,
     eps,
+    hidden_eps,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     CACHE_MAX: tl.constexpr,  # > 0: the cache's largest finite value (fp8), stores saturate to it
     HEADS: tl.constexpr,  # heads per program, as one [HEADS, HEAD_DIM] tile
     USE_PDL: tl.constexpr,
@@ -72,11 +85,15 @@ def _rotate_and_cache_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
-    row = qkv_ptr + token * stride_qkv + head[:, None] * HEAD_DIM  # q heads, then k heads, then v heads
+    r = row_rms_scale(hidden_ptr + token * stride_hidden, n_hidden, hidden_eps, BLOCK_H)
+    qkv_row = qkv_ptr + token * stride_qkv
+    col1 = head[:, None] * HEAD_DIM + half[None, :]  # first halves of q heads, then k heads, then v heads
+    col2 = col1 + HEAD_DIM // 2
     rows = (is_q | is_kv)[:, None]
-    x1 = tl.load(row + half[None, :], mask=rows, other=0.0).to(tl.float32)
-    x2 = tl.load(row + HEAD_DIM // 2 + half[None, :], mask=rows, other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
+    x1 = rms_scaled(tl.load(qkv_row + col1, mask=rows, other=0.0), r, qkv_bias_ptr, col1, rows, dtype, HAS_BIAS)
+    x2 = rms_scaled(tl.load(qkv_row + col2, mask=rows, other=0.0), r, qkv_bias_ptr, col2, rows, dtype, HAS_BIAS)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
         w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half)[None, :], tl.load(k_weight_ptr + half)[None, :])
@@ -101,7 +118,8 @@ def _rotate_and_cache_kernel(
         tl.store(dst, _cache_value(out1, dtype, cache_dtype, CACHE_MAX), mask=kv)
         tl.store(dst + HEAD_DIM // 2, _cache_value(out2, dtype, cache_dtype, CACHE_MAX), mask=kv)
         full = tl.arange(0, HEAD_DIM)
-        v = tl.load(row + NUM_KV_HEADS * HEAD_DIM + full[None, :], mask=kv)
+        v_col = (head[:, None] + NUM_KV_HEADS) * HEAD_DIM + full[None, :]  # the KV head's V row
+        v = rms_scaled(tl.load(qkv_row + v_col, mask=kv), r, qkv_bias_ptr, v_col, kv, dtype, HAS_BIAS)
         v_offset = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kv_head * stride_vh
         tl.store(v_cache_ptr + v_offset[:, None] + full[None, :] * stride_vd,
                  _cache_value(v, dtype, cache_dtype, CACHE_MAX), mask=kv)
@@ -142,6 +160,9 @@ def rotate_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
     num_heads: int,
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]: the residual stream rows qkv was projected from
+    hidden_eps: float,  # with hidden: the deferred input norm's r = rsqrt(mean(hidden^2) + hidden_eps)
+    qkv_bias: torch.Tensor | None = None,  # [(num_heads + 2 * num_kv_heads) * head_dim], added after r
     heads_per_program: int | None = None,  # a power of two; None: `choose_heads_per_program`
 ) -> torch.Tensor:
     """Returns the rotated queries [num_tokens, num_heads, head_dim]; stores K/V in the cache."""
@@ -164,6 +185,12 @@ def rotate_and_cache(
         raise ValueError("give both q and k norm weights or neither")
     if k_cache.stride(3) != 1:
         raise ValueError("the cache needs a contiguous last (head_dim) dimension")
+    if not hidden_fits(qkv, hidden):
+        raise ValueError(f"hidden must be [{num_tokens}, hidden_size <= {MAX_HIDDEN}] in qkv's dtype {qkv.dtype} "
+                         f"with unit last stride, got {tuple(hidden.shape)} {hidden.dtype} stride {hidden.stride()}")
+    if not bias_fits(qkv_bias, qkv.shape[1]):
+        raise ValueError(f"qkv_bias must be None or a contiguous [{qkv.shape[1]}] float vector, got "
+                         f"{tuple(qkv_bias.shape)} {qkv_bias.dtype}")
     query = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return query
@@ -183,6 +210,8 @@ def rotate_and_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        hidden,
+        qkv if qkv_bias is None else qkv_bias,  # unread without a bias
         qkv.stride(0),
         query.stride(0),
         cos_cache.stride(0),
@@ -190,12 +219,17 @@ def rotate_and_cache(
         k_cache.stride(1),
         k_cache.stride(2),
         *v_cache.stride(),
+        hidden.stride(0),
+        hidden.shape[1],
         eps,
+        hidden_eps,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
         HAS_NORM=has_norm,
+        HAS_BIAS=qkv_bias is not None,
+        BLOCK_H=block_hidden(hidden),
         CACHE_MAX=torch.finfo(k_cache.dtype).max if k_cache.dtype == torch.float8_e4m3fn else 0.0,
         HEADS=heads_per_program,
         USE_PDL=pdl,

@@ -1,4 +1,5 @@
-"""Skinny matmul for decode: `y = x @ W^T + b` with few rows (M <= 16).
+"""Skinny matmul for decode: `y = x @ W^T + b` with few rows (M <= 16), or, with a residual,
+`h += x @ W^T + b` in place (the row-parallel layers' residual add, in the epilogue).
 
 At decode batch sizes a linear layer is a matrix-vector product: the whole
 weight is read once to produce a handful of output rows, so its time is the
@@ -26,11 +27,11 @@ Design:
   programs for 132 SMs), so K may be split into SPLIT_K ranges. Each program
   stores its fp32 partial into a workspace and bumps a per-column-tile
   arrival counter; the last program to arrive sums the SPLIT_K partials in
-  split order (deterministic regardless of arrival order), adds the bias,
-  writes the output and resets the counter to 0 for the next launch. So a
-  split launch is still one kernel: no zero-fill, no second reduction kernel,
-  no fp32-to-bf16 cast kernel. The counters are `arrival_counters`, shared
-  with split-KV attention.
+  split order (deterministic regardless of arrival order), adds the bias (and
+  the residual), writes the output and resets the counter to 0 for the next
+  launch. So a split launch is still one kernel: no zero-fill, no second
+  reduction kernel, no fp32-to-bf16 cast kernel. The counters are
+  `arrival_counters`, shared with split-KV attention.
 * On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
   programs start while the previous kernel finishes and wait only before loading x;
   they release the next kernel once their K loop is done.
@@ -39,12 +40,12 @@ Design:
   the start-up tuning times per shape (no Triton autotuning: it would re-tune
   inside CUDA graph capture). `bench/kernels.py --gemm` sweeps the alternatives.
 
-Dispatch (layers/skinny_dispatch.py, free of triton): `linear(x, weight, bias)` is what the
+Dispatch (layers/skinny_dispatch.py, free of triton): `linear(x, weight, bias, residual)` is what the
 model's linear layers call. It uses the skinny kernel only when enabled (`set_skinny_gemm`, on CUDA
 without enforce_eager), x is 2-D on CUDA with 1 <= M <= 16, and the choice
 table holds a config for this (M bucket, N, K, dtype): the fastest candidate, where it beat
 cuBLAS. `tune_skinny_gemm` fills the table once at start-up, timing inside CUDA graphs.
-Everything else (CPU, prefill, large batches) is `F.linear`.
+Everything else (CPU, prefill, large batches) is `F.linear`, or `residual.addmm_` with a residual.
 """
 
 from __future__ import annotations
@@ -171,12 +172,18 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype =
 
 
 @triton.jit
-def _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS: tl.constexpr):
+def _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr):
+    """acc (+ bias) (+ the residual, which out holds), in fp32, rounded once. Each element of out
+    is read and written by the same program only, so the residual can be updated in place."""
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RESIDUAL:
+        acc = acc + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -184,7 +191,7 @@ def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
     b_ptr,
-    out_ptr,
+    out_ptr,  # [M, N]: with HAS_RESIDUAL, holds the residual on entry
     partial_ptr,  # [SPLIT_K, M, N] fp32 (unused when SPLIT_K == 1)
     counter_ptr,  # [>= cdiv(N, BLOCK_N)] int32, all zero between launches
     M,
@@ -197,6 +204,7 @@ def _skinny_gemm_kernel(
     stride_wk,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -235,7 +243,7 @@ def _skinny_gemm_kernel(
         # of programs its waiting ones would take SM slots from our later waves (bench/NOTES.md).
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
-        _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+        _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS, HAS_RESIDUAL)
     else:
         mask_mn = mask_m[:, None] & mask_n[None, :]
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -253,7 +261,7 @@ def _skinny_gemm_kernel(
                                 cache_modifier=".cg")
                 total += tl.where(mine, acc, other)
             tl.store(counter_ptr + pid_n, 0)
-            _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS)
+            _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS, HAS_RESIDUAL)
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -286,20 +294,39 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             raise ValueError(f"bias is on {bias.device}, x on {x.device}")
 
 
+def _check_residual(residual: torch.Tensor, x: torch.Tensor, N: int) -> None:
+    """The residual is the kernel's output: [M, N] in x's dtype with unit column stride (any row stride)."""
+    if residual.shape != (x.shape[0], N):
+        raise ValueError(f"residual must have shape ({x.shape[0]}, {N}), got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual dtype {residual.dtype} differs from x dtype {x.dtype}")
+    if residual.device != x.device:
+        raise ValueError(f"residual is on {residual.device}, x on {x.device}")
+    if residual.stride(1) != 1:
+        raise ValueError(f"residual needs unit stride along N (it is updated in place), got strides {residual.stride()}")
+    if (residual.shape[0] - 1) * residual.stride(0) + N - 1 >= 2**31:
+        raise ValueError("residual spans 2**31 elements or more (the kernel uses int32 offsets)")
+
+
 def skinny_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: SkinnyConfig | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    residual: torch.Tensor | None = None, config: SkinnyConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation."""
+    """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation.
+    With `residual` [M, N]: residual + x @ weight^T (+ bias), summed in fp32 and rounded once, written
+    into `residual` in place and returned."""
     _check_inputs(x, weight, bias)
     M, K = x.shape
     N = weight.shape[0]
+    if residual is not None:
+        _check_residual(residual, x, N)
     if config is None:
         config = choose_config(M, N, K, num_sms(x.device), x.dtype)
     elif config.block_m < M or config.split_k < 1:
         raise ValueError(f"config {config} cannot cover M={M}")
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = residual if residual is not None else torch.empty((M, N), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
     grid = config.grid(N)
     if config.split_k > 1:
@@ -312,6 +339,7 @@ def skinny_linear(
         M, N, K, config.k_per_split(K),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
         HAS_BIAS=bias is not None,
+        HAS_RESIDUAL=residual is not None,
         SPLIT_K=config.split_k,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
@@ -354,14 +382,15 @@ def graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) 
 
 def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """(N, K, dtype) -> [(weight, bias the layer passes)] of every linear layer routed through `linear`."""
-    from nanoinfer.layers.linear import LinearBase, RowParallelLinear
+    from nanoinfer.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 
     groups: dict = {}
     for module in model.modules():
         if isinstance(module, LinearBase):
             weight = module.weight
             bias = module.bias
-            if isinstance(module, RowParallelLinear) and module.tp_rank != 0:
+            # Column-parallel biases are added after the deferred norm's scale (`DeferredNorm`), not by the matmul.
+            if isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and module.tp_rank != 0):
                 bias = None
             groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append((weight, bias))
     return groups

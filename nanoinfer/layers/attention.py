@@ -1,6 +1,7 @@
 """The attention layer models call. It owns no weights: from the fused QKV
-projection it has the backend normalise and rotate queries and keys and write
-this step's K/V into its slice of the paged cache, then attend over it."""
+projection it has the backend finish the input norm (`DeferredNorm`), normalise
+and rotate queries and keys and write this step's K/V into its slice of the
+paged cache, then attend over it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from nanoinfer.attention.backend import AttentionBackend
 from nanoinfer.attention.metadata import get_forward_context
-from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.layernorm import DeferredNorm, RMSNorm
 from nanoinfer.layers.rotary import RotaryEmbedding
 
 
@@ -22,15 +23,16 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, input_norm: DeferredNorm, rope: RotaryEmbedding,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
-        """qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], not yet rotated -> [T, num_heads * head_dim].
+        """qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim], the projection of the residual stream before the
+        input norm's scale and the bias (`input_norm` applies them), not yet rotated -> [T, num_heads * head_dim].
         q_norm/k_norm: Qwen3's RMSNorm over each query and key head, applied before rotation."""
         if self.backend is None or self.k_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound; call ModelRunner.bind_kv_cache first")
         metadata = get_forward_context()
         q = self.backend.rotate_and_cache(qkv, positions, rope, q_norm, k_norm, self.k_cache, self.v_cache,
-                                          metadata.slot_mapping, self.num_heads)
+                                          metadata.slot_mapping, self.num_heads, input_norm)
         out = self.backend.forward(q, self.k_cache, self.v_cache, metadata, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
 

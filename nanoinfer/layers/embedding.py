@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_gather_last_dim_to_rank0, tp_rank, tp_world_size
+from nanoinfer.distributed.parallel_state import tp_gather_last_dim_to_rank0, tp_rank, tp_world_size
 from nanoinfer.layers.fusion import fused
-from nanoinfer.layers.linear import copy_weight
+from nanoinfer.layers.linear import copy_weight, reduce_partial
 
 
 @fused
@@ -22,13 +22,12 @@ def masked_embedding(input_ids: torch.Tensor, weight: torch.Tensor, vocab_start:
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, reduce_results: bool = True) -> None:
-        """reduce_results=False: under TP, forward returns this rank's partial lookup and the caller
-        sums it over ranks (the decoder's first norm does, fused)."""
+    def __init__(self, num_embeddings: int, embedding_dim: int, all_reduce_slot: int = 2) -> None:
+        """all_reduce_slot: where the partial lookups are summed over TP ranks (`reduce_partial`)."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.reduce_results = reduce_results
+        self.all_reduce_slot = all_reduce_slot
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
         self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
@@ -49,7 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         partial = masked_embedding(input_ids, self.weight, self.vocab_start, self.vocab_end)
-        return tp_all_reduce(partial) if self.reduce_results else partial
+        return reduce_partial(partial, None, self.all_reduce_slot)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

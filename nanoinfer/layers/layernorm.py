@@ -1,16 +1,14 @@
-"""RMSNorm that can also add the residual stream first, so each decoder layer
-does add+norm in one call and keeps the updated residual (nano-vLLM style).
-
-Under tensor parallelism the norms on the residual stream also do its all-reduce
-(`all_reduce_slot`): the layer before hands over its partial output and the sum,
-the residual add and the norm run as one kernel on GPUs that allow it."""
+"""RMSNorm, and what is left of it once its weight is folded into the next matmul
+(`DeferredNorm`): the decoder's norms on the residual stream run no kernel of
+their own (layers/linear.py)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_world_size
 from nanoinfer.layers.fusion import use_kernels
 
 
@@ -19,6 +17,34 @@ def rms_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     PyTorch: the CPU path, and the reference of the fused kernel (kernels/rms_norm.py)."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rms_scale_math(x: torch.Tensor, hidden: torch.Tensor, eps: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Row t of x times rsqrt(mean(hidden[t]^2) + eps), plus bias, in float32, rounded once to x's dtype:
+    `DeferredNorm`'s math. Plain PyTorch: the CPU path, and the reference of the kernels that apply it."""
+    h32 = hidden.float()
+    y = x.float() * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class DeferredNorm:
+    """What is left of an RMSNorm whose weight was folded into the matmul after it.
+
+    RMSNorm(h) @ W^T + b = r * (h @ (W * g)^T) + b, with r = rsqrt(mean(h^2) + eps) per row: so the decoder's
+    norms need no kernel of their own. The weight g lives in the next matmul's weight (folded at load time),
+    the matmul reads the residual stream h as it is, and the kernel after it (rotate_and_cache, SiLU-and-mul),
+    which reads those rows anyway, applies r and the matmul's bias."""
+
+    hidden: torch.Tensor  # [T, hidden_size]: the residual stream rows the statistics come from
+    eps: float
+    bias: torch.Tensor | None = None  # the matmul's bias, added after the scale
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """`rms_scale_math` of the matmul's output x [T, n]."""
+        return rms_scale_math(x, self.hidden, self.eps, self.bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,45 +57,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_math(x, weight, eps)
 
 
-def add_rms_norm_math(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) in plain PyTorch, as `rms_norm_math`."""
-    x = x + residual
-    return rms_norm_math(x, weight, eps), x
-
-
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_math`, as one Triton kernel where fusion is on."""
-    if use_kernels(x):
-        from nanoinfer.kernels import rms_norm as kernel
-
-        if kernel.supports(x, weight, residual):
-            return kernel.rms_norm(x, weight, eps, residual)
-    return add_rms_norm_math(x, residual, weight, eps)
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, all_reduce_slot: int | None = None) -> None:
-        """all_reduce_slot: given, this norm sits on the residual stream after a layer whose output
-        is a partial sum over the TP ranks (row-parallel, or the vocab-parallel embedding): it sums
-        it first, fused with the add and the norm on GPUs that allow it. Consecutive such norms
-        must use different slots (the fused kernel's buffering, see nanoinfer.kernels.all_reduce)."""
+    """RMSNorm over the last dim. The decoder's norms on the residual stream hold only their weight
+    (folded into the next matmul's at load time) and eps: the kernel after that matmul applies the rest
+    (`DeferredNorm`). Run as a module: the final norm, and Qwen3's per-head query and key norms."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
-        self.all_reduce_slot = all_reduce_slot
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalise `x` over the last dim. Norms on the residual stream (given a residual, or an
-        all_reduce_slot) return (normalised, new residual stream = x + residual, x when None)."""
-        if self.all_reduce_slot is not None and tp_world_size() > 1:
-            kernel = fused_all_reduce()
-            if kernel is not None and kernel.fits(x):
-                return kernel(x, residual, self.weight, self.eps, self.all_reduce_slot)
-            x = tp_all_reduce(x)
-        if residual is not None:
-            return add_rms_norm(x, residual, self.weight, self.eps)
-        normed = rms_norm(x, self.weight, self.eps)
-        return normed if self.all_reduce_slot is None else (normed, x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

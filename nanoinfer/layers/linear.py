@@ -7,6 +7,13 @@ one rank. Column-parallel layers split the output features (no communication
 in forward); the row-parallel layer splits the input features and sums the
 partial outputs over ranks.
 
+In the decoder every column-parallel layer follows an RMSNorm of the residual
+stream and every row-parallel layer adds its output back to that stream. So the
+norm's weight is folded into the column-parallel weight at load time and its
+per-row scale is left to the kernel after the matmul (`DeferredNorm`), and the
+row-parallel matmul adds into the stream (cuBLAS's beta = 1, or our kernels'
+epilogues): the decoder's norms and residual adds cost no kernels of their own.
+
 Every forward's matmul goes through `nanoinfer.layers.skinny_dispatch.linear`:
 `F.linear`, except for decode-sized inputs on a GPU where the start-up tuning
 found the skinny Triton kernel faster.
@@ -17,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoinfer.distributed.parallel_state import tp_all_reduce, tp_rank, tp_world_size
+from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_rank, tp_world_size
+from nanoinfer.layers.layernorm import DeferredNorm
 from nanoinfer.layers.skinny_dispatch import linear
 
 
@@ -37,6 +45,17 @@ def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: None = None) -> None:
     """Loader for replicated parameters (norms): the checkpoint tensor is the parameter."""
     copy_weight(param.data, loaded_weight)
+
+
+def reduce_partial(partial: torch.Tensor, residual: torch.Tensor | None, slot: int) -> torch.Tensor:
+    """The sum of `partial` over the TP ranks, plus `residual` when given: our fused all-reduce + add kernel on GPUs
+    that allow it (consecutive calls must use different `slot`s: kernels/all_reduce.py), else the backend's
+    all-reduce (NCCL, gloo) and an add."""
+    kernel = fused_all_reduce()
+    if kernel is not None and kernel.fits(partial):
+        return kernel(partial, residual, slot)
+    total = tp_all_reduce(partial)
+    return total if residual is None else total.add_(residual)
 
 
 def shard_of(tensor: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -63,7 +82,9 @@ class LinearBase(nn.Module):
 
 
 class ColumnParallelLinear(LinearBase):
-    """y = x W^T + b with W's rows (output features) split over ranks; each rank keeps its slice of y."""
+    """y = RMSNorm(h) W^T + b with W's rows (output features) split over ranks; each rank keeps its slice of y.
+    The norm's weight is folded into W once the checkpoint is loaded (`fold_norm`); forward multiplies the
+    residual stream h as it is and hands the norm's row scale and the bias to the next kernel."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, divide(output_size, tp_world_size(), "output_size"), bias)
@@ -78,8 +99,13 @@ class ColumnParallelLinear(LinearBase):
         offset, size = self.shard_range(shard_id)
         copy_weight(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, self.tp_rank, self.tp_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def fold_norm(self, norm_weight: torch.Tensor) -> None:
+        """W[:, i] *= g[i], rounded once: RMSNorm(h) W^T = r * (h (W * g)^T) for the norm's weight g."""
+        self.weight.copy_((self.weight.float() * norm_weight.float()).to(self.weight.dtype))
+
+    def forward(self, hidden: torch.Tensor, eps: float) -> tuple[torch.Tensor, DeferredNorm]:
+        """(h W^T, what the kernel after the matmul applies: the norm's scale of each row, then the bias)."""
+        return linear(hidden, self.weight), DeferredNorm(hidden, eps, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -123,20 +149,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """y = x W^T + b with W's columns (input features) split over ranks: the input arrives already
-    split (from a column-parallel layer) and the partial products are summed over ranks, here or,
-    with reduce_results=False, by the caller (the decoder's next norm fuses the sum in)."""
+    """residual + x W^T + b with W's columns (input features) split over ranks: the input arrives
+    already split (from a column-parallel layer), and the partial products are summed over ranks
+    together with the residual stream (`reduce_partial` in `all_reduce_slot`)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, all_reduce_slot: int = 0) -> None:
         super().__init__(divide(input_size, tp_world_size(), "input_size"), output_size, bias)
-        self.reduce_results = reduce_results
+        self.all_reduce_slot = all_reduce_slot
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if param is self.weight:
             loaded_weight = shard_of(loaded_weight, 1, self.tp_rank, self.tp_size)
         copy_weight(param.data, loaded_weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The residual stream with this layer's output added: in place on one GPU (the matmul's epilogue)."""
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias, residual=residual)
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
         partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return tp_all_reduce(partial) if self.reduce_results else partial
+        return reduce_partial(partial, residual, self.all_reduce_slot)

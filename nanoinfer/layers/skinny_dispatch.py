@@ -40,11 +40,19 @@ def skinny_config(x: torch.Tensor, weight: torch.Tensor) -> Any:
     return _choices.get((m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or the skinny kernel where the start-up tuning found it faster."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, or the skinny kernel where the start-up tuning found it faster.
+
+    With `residual` (a row-parallel layer adding into the residual stream): `residual` is updated in
+    place to residual + x @ weight^T (+ bias) and returned: in the skinny kernel's epilogue, else by
+    cuBLAS's beta=1 (`addmm_`). The tuning's choice for the plain product stands for both."""
     config = skinny_config(x, weight)
     if config is not None:
         from nanoinfer.kernels import skinny_gemm  # only reached on CUDA, after tuning
 
-        return skinny_gemm.skinny_linear(x, weight, bias, config=config)
-    return F.linear(x, weight, bias)
+        return skinny_gemm.skinny_linear(x, weight, bias, residual=residual, config=config)
+    if residual is None:
+        return F.linear(x, weight, bias)
+    residual.addmm_(x, weight.t())
+    return residual if bias is None else residual.add_(bias)

@@ -251,4 +251,5 @@ def load_model(
         _fill_dummy(model, hf_config, torch.device(device))
     else:
         _load_safetensors(model, folder, hf_config, needs_lm_head)
+    model.process_weights_after_loading()
     return model.eval()

@@ -8,6 +8,10 @@ Qwen2 and Qwen3 differ only in flags read from the HF config:
 
 Tokens of all sequences arrive flattened (`[T]` ids and positions); attention
 finds the batch layout in the forward context set by the model runner.
+
+The decoder's norms run no kernel of their own: each is folded into the
+projection after it (`fold_norms`, once the weights are loaded), and the
+row-parallel projections add into the residual stream (layers/linear.py).
 Module names mirror the HF checkpoints so the loader maps names 1:1, except
 the fused projections listed in `packed_modules_mapping`.
 """
@@ -41,9 +45,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, num_heads, num_kv_heads, bias=attention_bias or config.model_type == "qwen2"
         )
-        # Row-parallel outputs stay partial sums over TP ranks: the next norm sums them (fused).
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size,
-                                        bias=attention_bias and config.model_type != "qwen2", reduce_results=False)
+                                        bias=attention_bias and config.model_type != "qwen2", all_reduce_slot=0)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -52,9 +55,11 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        return self.o_proj(self.attn(positions, qkv, self.rotary_emb, self.q_norm, self.k_norm))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, eps: float) -> torch.Tensor:
+        """The residual stream `hidden` plus attention over its RMSNorm (whose weight the QKV projection holds)."""
+        qkv, input_norm = self.qkv_proj(hidden, eps)
+        out = self.attn(positions, qkv, input_norm, self.rotary_emb, self.q_norm, self.k_norm)
+        return self.o_proj(out, residual=hidden)
 
 
 class LlamaMLP(nn.Module):
@@ -63,53 +68,49 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False) and config.model_type == "llama"  # (the others' MLPs have none)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           reduce_results=False)
+                                           all_reduce_slot=1)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, hidden: torch.Tensor, eps: float) -> torch.Tensor:
+        """The residual stream `hidden` plus the MLP of its RMSNorm (whose weight gate_up holds)."""
+        gate_up, norm = self.gate_up_proj(hidden, eps)
+        return self.down_proj(self.act_fn(gate_up, norm), residual=hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, first: bool = False) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
         self.mlp = LlamaMLP(config)
-        # Each sums the partial output before it over TP ranks: the previous layer's MLP (the first
-        # layer's: the embedding) and the attention. Consecutive all-reduces alternate slots 1, 0;
-        # the first layer's takes slot 2, as the final norm's (slot 1) comes right before it.
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=2 if first else 1)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=0)
+        # Checkpoint weights folded into the projections after them (`fold_norms`); eps stays here.
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Takes and returns a partial sum over TP ranks (the embedding's or the previous layer's
-        output) and the residual stream *before* adding it (None in the first layer): each norm
-        does the sum and the add, fused with normalisation."""
-        hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual stream in, updated (in place on one GPU) out."""
+        hidden = self.self_attn(positions, hidden, self.input_layernorm.eps)
+        return self.mlp(hidden, self.post_attention_layernorm.eps)
+
+    def fold_norms(self) -> None:
+        self.self_attn.qkv_proj.fold_norm(self.input_layernorm.weight)
+        self.mlp.gate_up_proj.fold_norm(self.post_attention_layernorm.weight)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, reduce_results=False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, all_reduce_slot=2)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, first=i == 0)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, all_reduce_slot=1)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,9 +128,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.norms_folded = False
+
+    def process_weights_after_loading(self) -> None:
+        """Once, after the checkpoint (or dummy weights) is loaded: fold each decoder norm into the projection
+        after it."""
+        if self.norms_folded:
+            raise RuntimeError("the model's norms are folded already: its weights were processed once")
+        for layer in self.model.layers:
+            layer.fold_norms()
+        self.norms_folded = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> hidden states [T, hidden_size]."""
+        if not self.norms_folded:  # the decoder's norms would be missing their weights
+            raise RuntimeError("call process_weights_after_loading() once the weights are loaded")
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

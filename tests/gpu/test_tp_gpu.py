@@ -80,7 +80,6 @@ def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
     import torch.distributed as dist
 
     from nanoinfer.distributed import parallel_state as ps
-    from nanoinfer.layers.layernorm import rms_norm_math
 
     try:
         store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=ps.COLLECTIVE_TIMEOUT)
@@ -88,20 +87,18 @@ def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
         hidden, max_rows, dtype = 4096, 256, torch.bfloat16
         assert ps.enable_symmetric_all_reduce(max_rows, hidden, dtype)
         kernel = ps.fused_all_reduce()
-        weight = torch.rand(hidden, device="cuda").to(dtype) + 0.5
 
         def inputs(call: int, rows: int) -> tuple[list[torch.Tensor], torch.Tensor]:
             g = torch.Generator(device="cuda").manual_seed(call)
             parts = [torch.randn(rows, hidden, device="cuda", generator=g).to(dtype) for _ in range(2)]
             return parts, torch.randn(rows, hidden, device="cuda", generator=g).to(dtype)
 
-        def check(call: int, rows: int, out: torch.Tensor, residual_out: torch.Tensor, with_residual: bool = True) -> None:
+        def check(call: int, rows: int, out: torch.Tensor, with_residual: bool = True) -> None:
             parts, residual = inputs(call, rows)
             want = (parts[0].float() + parts[1].float()).to(dtype)
             if with_residual:
                 want = want + residual
-            assert torch.equal(residual_out, want), f"call {call}: residual differs"
-            torch.testing.assert_close(out, rms_norm_math(want, weight, 1e-6), rtol=1e-2, atol=1e-2)
+            assert torch.equal(out, want), f"call {call}: the sum differs"
 
         # Eager: many calls back to back, consecutive slots different, sizes changing (200 rows: two
         # per program), some without a residual (the embedding's), as a decode loop does.
@@ -109,24 +106,24 @@ def _fused_all_reduce_rank(rank: int, port: int, errors) -> None:
             rows = (1, 3, 16, 200)[call % 4]
             parts, residual = inputs(call, rows)
             with_residual = call % 5 != 0
-            out = kernel(parts[rank], residual if with_residual else None, weight, 1e-6, call % 3)
-            check(call, rows, *out, with_residual)
+            out = kernel(parts[rank], residual if with_residual else None, call % 3)
+            check(call, rows, out, with_residual)
         print(f"rank {rank}: 200 eager calls checked", flush=True)  # where a hang stopped (pytest -s)
         # In a CUDA graph (the decode path): capture 63 calls, replay it several times.
         parts, residual = inputs(1000, 8)
-        static = [kernel(parts[rank], residual, weight, 1e-6, 2)]  # the slot before the graph's first
+        static = [kernel(parts[rank], residual, 2)]  # the slot before the graph's first
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for call in range(63):  # ends on slot 2: the next replay starts on 0
-                static.append(kernel(parts[rank], residual, weight, 1e-6, call % 3))
+                static.append(kernel(parts[rank], residual, call % 3))
         print(f"rank {rank}: graph captured", flush=True)
         for _ in range(20):
             graph.replay()
         torch.cuda.synchronize()
         print(f"rank {rank}: 20 replays done", flush=True)
-        for out, residual_out in static:
-            check(1000, 8, out, residual_out)
+        for out in static:
+            check(1000, 8, out)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise

@@ -1,0 +1,46 @@
+"""The part of a decoder RMSNorm left after its weight was folded into the next matmul (`DeferredNorm`,
+layers/layernorm.py), as pieces of the kernels that read that matmul's output (rotate_and_cache for qkv,
+SiLU-and-mul for gate_up): r = rsqrt(mean(hidden^2) + eps) from the token's residual stream row, then
+x * r + bias in float32, rounded once to the model dtype (`rms_scale_math`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HIDDEN = 16384  # a whole hidden row sits in one program's registers, as in kernels/rms_norm.py
+
+
+@triton.jit
+def row_rms_scale(hidden_row_ptr, n_hidden, eps, BLOCK_H: tl.constexpr):
+    """r of one residual stream row (n_hidden <= BLOCK_H values, unit stride), statistics in float32."""
+    cols = tl.arange(0, BLOCK_H)
+    h = tl.load(hidden_row_ptr + cols, mask=cols < n_hidden, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(h * h, axis=0) / n_hidden + eps)
+
+
+@triton.jit
+def rms_scaled(x, r, bias_ptr, offsets, mask, dtype: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Loaded matmul outputs x times r, plus bias[offsets] where HAS_BIAS, in float32, rounded once to dtype."""
+    y = x.to(tl.float32) * r
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return y.to(dtype)
+
+
+def block_hidden(hidden: torch.Tensor) -> int:
+    """`row_rms_scale`'s BLOCK_H for these rows."""
+    return triton.next_power_of_2(hidden.shape[1])
+
+
+def hidden_fits(x: torch.Tensor, hidden: torch.Tensor) -> bool:
+    """Whether the kernels take `hidden` as the rows behind x [T, n]: [T, H <= MAX_HIDDEN] in x's dtype,
+    unit last stride (any row stride)."""
+    return (hidden.dim() == 2 and hidden.shape[0] == x.shape[0] and 1 <= hidden.shape[1] <= MAX_HIDDEN
+            and hidden.dtype == x.dtype and hidden.stride(1) == 1)
+
+
+def bias_fits(bias: torch.Tensor | None, width: int) -> bool:
+    """Whether the kernels take `bias` for a matmul output `width` wide: none, or contiguous floats of that length."""
+    return bias is None or (bias.shape == (width,) and bias.is_contiguous() and bias.is_floating_point())
