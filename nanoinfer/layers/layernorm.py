@@ -36,7 +36,11 @@ class DeferredNorm:
     RMSNorm(h) @ W^T + b = r * (h @ (W * g)^T) + b, with r = rsqrt(mean(h^2) + eps) per row: so the decoder's
     norms need no kernel of their own. The weight g lives in the next matmul's weight (folded at load time),
     the matmul reads the residual stream h as it is, and the kernel after it (rotate_and_cache, SiLU-and-mul),
-    which reads those rows anyway, applies r and the matmul's bias."""
+    which reads those rows anyway, applies r and the matmul's bias.
+
+    The matmul's output is rounded before r scales it, so it carries the row's RMS: in float16 a residual
+    stream of RMS in the thousands times an O(10) normalised projection would pass 65,504 (bfloat16 and
+    float32 have the range; the streams of the models we know stay in the tens)."""
 
     hidden: torch.Tensor  # [T, hidden_size]: the residual stream rows the statistics come from
     eps: float
