@@ -95,6 +95,31 @@ def test_silu_and_mul_kernel_matches_math(dtype, bias, rows, d, hidden_size) -> 
     assert silu_and_mul(x[:0], norm.hidden[:0], norm.eps).shape == (0, d)
 
 
+@kernel_test
+def test_deferred_norm_kernels_sum_wide_rows_in_chunks(monkeypatch) -> None:
+    """A residual row wider than one load (MAX_BLOCK_H, lowered here from 16,384 to 64) is summed in chunks, the
+    last one partial (1,000 = 15 x 64 + 40): SiLU-and-mul and rotate_and_cache still give the PyTorch path's r."""
+    from nanoinfer.attention.torch_backend import TorchAttentionBackend
+    from nanoinfer.kernels import activation, deferred_norm
+    from nanoinfer.kernels.rotate_and_cache import rotate_and_cache
+    from test_triton_kernels import make_qkv_inputs
+
+    monkeypatch.setattr(deferred_norm, "MAX_BLOCK_H", 64)
+    norm = make_input_norm(5, 1000, torch.float32, bias_width=96)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    torch.testing.assert_close(activation.silu_and_mul(x, norm.hidden, norm.eps, norm.bias), silu_and_mul_math(x, norm))
+    qkv, positions, rope, (q_norm, k_norm) = make_qkv_inputs(5, 2, 1, 32, torch.float32, qk_norm=True)
+    norm = make_input_norm(5, 1000, torch.float32, bias_width=qkv.shape[1])
+    k_cache, v_cache = torch.zeros(2, 2, 16, 1, 32, device=DEVICE)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([0, 1, 2, 17, 30], device=DEVICE)
+    ref_q = TorchAttentionBackend().rotate_and_cache(qkv, positions, rope, q_norm, k_norm, ref_k, ref_v, slots, 2, norm)
+    query = rotate_and_cache(qkv, positions, rope.cos_cache, rope.sin_cache, q_norm.weight, k_norm.weight, q_norm.eps,
+                             k_cache, v_cache, slots, 2, norm.hidden, norm.eps, norm.bias)
+    for out, ref in ((query, ref_q), (k_cache, ref_k), (v_cache, ref_v)):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_kernels_reject_what_they_do_not_take() -> None:
     from nanoinfer.kernels import activation, rms_norm
 
@@ -109,7 +134,8 @@ def test_kernels_reject_what_they_do_not_take() -> None:
     assert not activation.supports(x, hidden[:3])  # hidden rows of other tokens
     assert not activation.supports(x, hidden.double())  # hidden of another dtype
     assert not activation.supports(x, torch.randn(96, 4).t())  # hidden without unit last stride
-    assert not activation.supports(x, torch.randn(4, 16385))  # hidden wider than a program's registers take
+    assert not activation.supports(x, hidden[:, :0])  # no hidden values
+    assert activation.supports(x, torch.randn(4, 16385))  # wider than one load: summed in chunks
     assert not activation.supports(x, hidden, torch.ones(32))  # bias of the gate half only
     assert not activation.supports(x, hidden, torch.ones(64, 2)[:, 0])  # strided bias
     with pytest.raises(ValueError, match="rms_norm kernel: unsupported"):

@@ -9,15 +9,19 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_HIDDEN = 16384  # a whole hidden row sits in one program's registers, as in kernels/rms_norm.py
+MAX_BLOCK_H = 16384  # a row up to this wide is one load into a program's registers; wider rows go in chunks
 
 
 @triton.jit
 def row_rms_scale(hidden_row_ptr, n_hidden, eps, BLOCK_H: tl.constexpr):
-    """r of one residual stream row (n_hidden <= BLOCK_H values, unit stride), statistics in float32."""
+    """r of one residual stream row (unit stride), statistics in float32. Every model we know has a row of
+    at most BLOCK_H values (one pass of the loop); a wider one is summed BLOCK_H values at a time."""
     cols = tl.arange(0, BLOCK_H)
-    h = tl.load(hidden_row_ptr + cols, mask=cols < n_hidden, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(h * h, axis=0) / n_hidden + eps)
+    squares = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(0, n_hidden, BLOCK_H):
+        h = tl.load(hidden_row_ptr + start + cols, mask=start + cols < n_hidden, other=0.0).to(tl.float32)
+        squares += h * h
+    return tl.rsqrt(tl.sum(squares, axis=0) / n_hidden + eps)
 
 
 @triton.jit
@@ -31,13 +35,13 @@ def rms_scaled(x, r, bias_ptr, offsets, mask, dtype: tl.constexpr, HAS_BIAS: tl.
 
 def block_hidden(hidden: torch.Tensor) -> int:
     """`row_rms_scale`'s BLOCK_H for these rows."""
-    return triton.next_power_of_2(hidden.shape[1])
+    return min(triton.next_power_of_2(hidden.shape[1]), MAX_BLOCK_H)
 
 
 def hidden_fits(x: torch.Tensor, hidden: torch.Tensor) -> bool:
-    """Whether the kernels take `hidden` as the rows behind x [T, n]: [T, H <= MAX_HIDDEN] in x's dtype,
-    unit last stride (any row stride)."""
-    return (hidden.dim() == 2 and hidden.shape[0] == x.shape[0] and 1 <= hidden.shape[1] <= MAX_HIDDEN
+    """Whether the kernels take `hidden` as the rows behind x [T, n]: [T, H >= 1] in x's dtype, unit last
+    stride (any row stride)."""
+    return (hidden.dim() == 2 and hidden.shape[0] == x.shape[0] and hidden.shape[1] >= 1
             and hidden.dtype == x.dtype and hidden.stride(1) == 1)
 
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels import pdl_enabled
-from nanoinfer.kernels.deferred_norm import MAX_HIDDEN, bias_fits, block_hidden, hidden_fits, rms_scaled, row_rms_scale
+from nanoinfer.kernels.deferred_norm import bias_fits, block_hidden, hidden_fits, rms_scaled, row_rms_scale
 
 
 @triton.jit
@@ -186,7 +186,7 @@ def rotate_and_cache(
     if k_cache.stride(3) != 1:
         raise ValueError("the cache needs a contiguous last (head_dim) dimension")
     if not hidden_fits(qkv, hidden):
-        raise ValueError(f"hidden must be [{num_tokens}, hidden_size <= {MAX_HIDDEN}] in qkv's dtype {qkv.dtype} "
+        raise ValueError(f"hidden must be [{num_tokens}, hidden_size] in qkv's dtype {qkv.dtype} "
                          f"with unit last stride, got {tuple(hidden.shape)} {hidden.dtype} stride {hidden.stride()}")
     if not bias_fits(qkv_bias, qkv.shape[1]):
         raise ValueError(f"qkv_bias must be None or a contiguous [{qkv.shape[1]}] float vector, got "
