@@ -47,7 +47,10 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether our kernels launch with programmatic dependent launch (PDL, Hopper and newer): the next
     kernel in the stream is scheduled while this one finishes, and waits (`gdc_wait`) only before it
     touches memory an earlier kernel wrote, so launch latency and ramp-up overlap the previous kernel's
-    tail. Off on the CPU interpreter, older GPUs, or with NANOINFER_PDL=0."""
+    tail. Every kernel of ours lets its dependents launch only after its own wait, so a kernel that starts
+    finds every kernel before its immediate predecessor finished: what those wrote may be read before the
+    wait (the deferred norm's residual row, two kernels back, is). Off on the CPU interpreter, older GPUs,
+    or with NANOINFER_PDL=0."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("NANOINFER_PDL") == "0":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9

@@ -35,9 +35,10 @@ def _silu_and_mul_kernel(x_ptr, hidden_ptr, bias_ptr, out_ptr, d, n_hidden, stri
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     dtype = out_ptr.dtype.element_ty
+    # Before the wait, off the critical path: the residual row was written two kernels back (`pdl_enabled`).
+    r = row_rms_scale(hidden_ptr + row * stride_h, n_hidden, eps, BLOCK_H)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x comes from the previous kernel
-    r = row_rms_scale(hidden_ptr + row * stride_h, n_hidden, eps, BLOCK_H)
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     gate = rms_scaled(gate, r, bias_ptr, cols, mask, dtype, HAS_BIAS).to(tl.float32)

@@ -82,10 +82,11 @@ def _rotate_and_cache_kernel(
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_rope + half)[None, :]
     sin = tl.load(sin_ptr + position * stride_rope + half)[None, :]
+    # Before the wait, off the critical path: the residual row was written two kernels back (`pdl_enabled`).
+    r = row_rms_scale(hidden_ptr + token * stride_hidden, n_hidden, hidden_eps, BLOCK_H)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
         tl.extra.cuda.gdc_launch_dependents()
-    r = row_rms_scale(hidden_ptr + token * stride_hidden, n_hidden, hidden_eps, BLOCK_H)
     qkv_row = qkv_ptr + token * stride_qkv
     col1 = head[:, None] * HEAD_DIM + half[None, :]  # first halves of q heads, then k heads, then v heads
     col2 = col1 + HEAD_DIM // 2
