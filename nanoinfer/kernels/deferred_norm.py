@@ -19,7 +19,10 @@ def row_rms_scale(hidden_row_ptr, n_hidden, eps, BLOCK_H: tl.constexpr):
     cols = tl.arange(0, BLOCK_H)
     squares = tl.zeros([BLOCK_H], dtype=tl.float32)
     for start in range(0, n_hidden, BLOCK_H):
-        h = tl.load(hidden_row_ptr + start + cols, mask=start + cols < n_hidden, other=0.0).to(tl.float32)
+        # .cg (from L2, not this SM's L1): the kernels read the row before their PDL wait, and the row changes
+        # twice a layer, so a line an earlier kernel left in L1 must not serve it.
+        h = tl.load(hidden_row_ptr + start + cols, mask=start + cols < n_hidden, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
         squares += h * h
     return tl.rsqrt(tl.sum(squares, axis=0) / n_hidden + eps)
 
