@@ -88,7 +88,7 @@ def _rotate_and_cache_kernel(
         w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half)[None, :], tl.load(k_weight_ptr + half)[None, :])
         w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + HEAD_DIM // 2 + half)[None, :],
                       tl.load(k_weight_ptr + HEAD_DIM // 2 + half)[None, :])
-    slot = tl.load(slot_mapping_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token, mask=first + HEADS > NUM_HEADS, other=-1)  # programs with KV heads
     r = row_rms_scale(hidden_ptr + token * stride_hidden, n_hidden, hidden_eps, BLOCK_H)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
