@@ -82,13 +82,7 @@ def _rotate_and_cache_kernel(
     position = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + position * stride_rope + half)[None, :]
     sin = tl.load(sin_ptr + position * stride_rope + half)[None, :]
-    # Before the wait, off the critical path: the weights, the step's slots, and the residual row, written two
-    # kernels back (`pdl_enabled`).
-    if HAS_NORM:
-        w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half)[None, :], tl.load(k_weight_ptr + half)[None, :])
-        w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + HEAD_DIM // 2 + half)[None, :],
-                      tl.load(k_weight_ptr + HEAD_DIM // 2 + half)[None, :])
-    slot = tl.load(slot_mapping_ptr + token, mask=first + HEADS > NUM_HEADS, other=-1)  # programs with KV heads
+    # Before the wait, off the critical path: the residual row was written two kernels back (`pdl_enabled`).
     r = row_rms_scale(hidden_ptr + token * stride_hidden, n_hidden, hidden_eps, BLOCK_H)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # qkv comes from the previous kernel
@@ -103,6 +97,9 @@ def _rotate_and_cache_kernel(
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q[:, None], tl.load(q_weight_ptr + half)[None, :], tl.load(k_weight_ptr + half)[None, :])
+        w2 = tl.where(is_q[:, None], tl.load(q_weight_ptr + HEAD_DIM // 2 + half)[None, :],
+                      tl.load(k_weight_ptr + HEAD_DIM // 2 + half)[None, :])
         x1 = ((x1 * rstd[:, None]).to(dtype).to(tl.float32) * w1.to(tl.float32)).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd[:, None]).to(dtype).to(tl.float32) * w2.to(tl.float32)).to(dtype).to(tl.float32)
     out1 = x1 * cos - x2 * sin
@@ -112,6 +109,7 @@ def _rotate_and_cache_kernel(
         tl.store(dst, out1.to(dtype), mask=is_q[:, None])
         tl.store(dst + HEAD_DIM // 2, out2.to(dtype), mask=is_q[:, None])
     if first + HEADS > NUM_HEADS:
+        slot = tl.load(slot_mapping_ptr + token)
         kv = (tl.where(is_kv, slot, -1) >= 0)[:, None]  # a KV head of a real token (a block-only mask:
         # the CPU interpreter mis-types block & scalar masks)
         kv_head = head - NUM_HEADS
