@@ -64,7 +64,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = _arg(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: sized by gpu_memory_utilization)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the byte budgets; for tests)")
-    enforce_eager: bool = _arg(False, "on a GPU, run without CUDA graphs, the fused kernels (add + RMSNorm, SiLU-and-mul; torch.compile) and the skinny matmul (cuBLAS everywhere): for checking")
+    enforce_eager: bool = _arg(False, "on a GPU, run without CUDA graphs, the fused kernels (final RMSNorm, SiLU-and-mul; torch.compile) and the skinny matmul (cuBLAS everywhere): for checking")
     async_scheduling: bool = _arg(True, "plan the next step while the current one runs")
     attention_backend: str = _arg("auto", "attention implementation (auto: triton on GPU, torch on CPU)", ("auto", "torch", "triton"))
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and choice of preemption victim", ("fcfs", "priority"))

@@ -1,6 +1,6 @@
 """Fused kernels for the small elementwise pieces of a step: on a GPU each piece
 becomes one kernel instead of five to ten small ones, which at decode batch sizes
-cost more in fixed per-kernel time than in bytes. add + RMSNorm and SiLU-and-mul
+cost more in fixed per-kernel time than in bytes. The final RMSNorm and SiLU-and-mul
 run our Triton kernels (`use_kernels`: they also cost far less host time per
 call than compiled functions, which eager prefill steps pay); rotary on the
 PyTorch attention path is torch.compile'd (`fused`). The model runner turns

@@ -18,7 +18,7 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--api-key", default=os.environ.get("NANOINFER_API_KEY") or None,
-                        help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /ping "
                              "(default: $NANOINFER_API_KEY if set and not empty, else none)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="name(s) clients use for the model; the first appears in responses "
