@@ -102,6 +102,29 @@ def test_bad_beam_search_params_are_clear_errors(llm):
         llm.beam_search([[10**6]], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
+def test_a_prompts_cache_salt_holds_for_every_step(llm, monkeypatch):
+    """A salted prompt's steps read only that tenant's cached prefix, none of another's (vLLM's isolation)."""
+    kv = llm.engine.core.scheduler.kv_cache_manager
+    prompt = list(range(3, 43))  # more than one block
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    before = kv.prefix_hits
+    llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant"}], BeamSearchParams(beam_width=2, max_tokens=1))
+    assert kv.prefix_hits == before  # the unsalted warm prefix is another tenant's
+    salts, add_request = [], llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kwargs: (salts.append(args[4]),
+                                                                            add_request(*args, **kwargs))[1])
+    llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant"}, prompt],
+                    BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    assert salts == ["tenant", None] + ["tenant", "tenant", None, None] * 2  # each step's beams, search by search
+
+
+def test_beams_that_could_never_queue_are_refused_before_any_step(tiny_models, monkeypatch):
+    llm = LLM(tiny_models["qwen3"], device="cpu", max_num_waiting=3)
+    monkeypatch.setattr(llm, "generate", lambda *args, **kwargs: pytest.fail("a step ran"))
+    with pytest.raises(ValueError, match=r"needs 4 places in the waiting queue \(n or beams x prompts\)"):
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=3))
+
+
 @pytest.mark.parametrize("length_penalty", [2000.0, -2000.0, 1e308])
 def test_extreme_length_penalties_rank_without_overflow(llm, length_penalty):
     """length ** length_penalty overflows a float here: the beams are still ranked (in log space)."""

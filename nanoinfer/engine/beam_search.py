@@ -74,8 +74,10 @@ class BeamSearchOutput:
 
 
 class BeamSearch:
-    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int]) -> None:
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: set[int],
+                 cache_salt: str | None = None) -> None:
         self.params, self.eos_token_ids = params, set() if params.ignore_eos else eos_token_ids
+        self.cache_salt = cache_salt  # every step's requests carry the prompt's salt (its prefix-cache tenant)
         self.beams = [BeamSearchSequence(list(prompt_token_ids))]  # live: extended by the next step
         self.completed: list[BeamSearchSequence] = []
         self.steps = 0

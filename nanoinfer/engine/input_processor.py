@@ -84,7 +84,7 @@ class EngineLimits:
         if self.max_num_waiting is None:
             return
         if num_new > self.max_num_waiting:
-            raise ValueError(f"the request needs {num_new} places in the waiting queue (n x prompts), which holds "
+            raise ValueError(f"the request needs {num_new} places in the waiting queue (n or beams x prompts), which holds "
                              f"at most {self.max_num_waiting}")
         if num_waiting + num_new > self.max_num_waiting:
             raise OverflowError(f"the waiting queue is full ({num_waiting} requests waiting, "
@@ -197,6 +197,11 @@ class InputProcessor:
                              f"priority); this engine runs requests first come, first served")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        if cache_salt is not None and not cache_salt.isascii():  # the block hashes take its UTF-8 bytes, in a step
+            try:
+                cache_salt.encode()
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"cache_salt must be valid Unicode text: {exc.reason} at {exc.start}") from None
         if not pooling:
             params = self._check_sampling(params)
         keep = params.truncate_prompt_tokens

@@ -164,13 +164,17 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         params.check_width(engine.limits.max_logprobs)
-        prompts = [engine.input_processor.tokenize(_unpack_prompt(p)[0]) for p in _prompt_list(prompts)]
+        unpacked = [_unpack_prompt(p) for p in _prompt_list(prompts)]
+        prompts = [engine.input_processor.tokenize(prompt) for prompt, _ in unpacked]
         for ids in prompts:  # the longest beams' last step must fit too: checked before any step runs
             engine.input_processor.check_length(len(ids), params.max_tokens)
-        searches = [BeamSearch(ids, params, engine.limits.eos_token_ids) for ids in prompts]
+        engine.limits.check_waiting_room(0, params.beam_width * len(prompts))  # each step's beams, as the server
+        searches = [BeamSearch(ids, params, engine.limits.eos_token_ids, salt)
+                    for ids, (_, salt) in zip(prompts, unpacked)]
         bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm, dynamic_ncols=True)
         while beams := live_beams(searches):
-            advance_all(beams, self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams],
+            advance_all(beams, self.generate([{"prompt_token_ids": beam.tokens, "cache_salt": search.cache_salt}
+                                              for search, beam in beams],
                                              params.step_params(), use_tqdm=False))
             bar.update(1)
         bar.close()
