@@ -164,6 +164,8 @@ def test_mistral_text_that_is_not_a_call_is_content():
     assert read(MistralToolCalls(), [cut]) == (cut, [])
     assert read(MistralToolCalls(), ['[TOOL_CALLS]get_time[ARGS]{} then words']) == ("then words", [("get_time", "{}")])
     assert read(MistralToolCalls(), ["[TOOL_CALLS]bad name[ARGS]{}"]) == ("[TOOL_CALLS]bad name[ARGS]{}", [])
+    for text in ("[TOOL_CALLS]", "Let me check. [TOOL_CALLS][\n  "):  # a reply ending at the tag keeps its text
+        assert read(MistralToolCalls(), [text]) == (text, [])
 
 
 def test_pythonic_reads_a_list_of_calls():
@@ -189,6 +191,12 @@ def test_pythonic_sends_each_call_when_it_closes():
     assert extractor.feed("]", True) == ("", []) and extractor.finish_reason("stop") == "tool_calls"
     assert read(PythonicToolCalls(), ["[f(a=1), 2, g()]"]) == ("2, g()]", [("f", '{"a": 1}')])
     assert read(PythonicToolCalls(), ["[f(a=1), g(b="]) == ("g(b=", [("f", '{"a": 1}')])
+
+
+def test_pythonic_blanks_after_the_end_tag_are_dropped_however_they_arrive():
+    text = "<|python_start|>[get_time()]<|python_end|>\n  Done"
+    for cut in range(len(text) + 1):
+        assert read(PythonicToolCalls(), [text[:cut], text[cut:]]) == ("Done", [("get_time", "{}")]), cut
 
 
 @pytest.mark.parametrize("text", ["Hello [f()]", "[f(a=x)]", "[f(1)]", "[f(**k)]", "[1, 2]", "[]", "[f(a={1})]",
@@ -255,6 +263,28 @@ def test_required_streamed_in_any_pieces_reads_as_whole(cuts):
 def test_required_text_cut_short_comes_back_as_content():
     assert read(RequiredToolCalls(), ['[{"name": "a", "para']) == ('[{"name": "a", "para', [])
     assert read(RequiredToolCalls(), ['[{"name": "a", "parameters": {}}, {"na']) == ('{"na', [("a", "{}")])
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesToolCalls, '<tool_call>{"name": "f", "arguments": {"s": "\\ud83d", "t": "é"}}</tool_call>'),
+    (Llama3JsonToolCalls, '{"name": "f", "parameters": {"s": "\\ud83d", "t": "é"}}'),
+    (MistralToolCalls, '[TOOL_CALLS]f[ARGS]{"s": "\\ud83d", "t": "é"}'),
+    (PythonicToolCalls, '[f(s="\\ud83d", t="é")]'),
+    (RequiredToolCalls, '[{"name": "f", "parameters": {"s": "\\ud83d", "t": "é"}}]'),
+])
+def test_a_lone_surrogate_escape_in_arguments_stays_an_escape(parser, text):
+    """Half a surrogate pair, escaped, decodes to a string UTF-8 cannot carry (the response failed mid-stream):
+    the arguments keep it escaped, and mean the same."""
+    [(name, arguments)] = read(parser(), [text])[1]
+    arguments.encode()
+    assert name == "f" and json.loads(arguments) == {"s": "\ud83d", "t": "é"}
+
+
+def test_surrogate_escapes_in_names_and_python_strings():
+    text = '<tool_call>{"name": "f\\udc00", "arguments": {}}</tool_call>'
+    assert read(HermesToolCalls(), [text]) == (text, [])  # no function has that name: content
+    [(_, arguments)] = read(PythonicToolCalls(), ['[f(s="\\ud83d\\ude00")]'])[1]  # Python keeps the two halves
+    assert json.loads(arguments) == {"s": "\U0001F600"}
 
 
 def test_json_nested_too_deeply_is_text_not_an_error():

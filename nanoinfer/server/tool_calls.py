@@ -139,7 +139,7 @@ class _CallObjects:
         if name is None:
             return _call_of(text, self.keys)
         arguments = _parse(text)
-        return (name, json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
+        return (name, _json_text(arguments)) if isinstance(arguments, dict) else None
 
 
 class RequiredToolCalls(ToolCallExtractor):
@@ -303,7 +303,7 @@ class MistralToolCalls(ToolCallExtractor):
             self.objects = _MistralCalls()
         calls = [delta for call in self.objects.read(self.buffer, final) for delta in self._call(*call)]
         rest = self.buffer[self.objects.parsed:]
-        if final and rest.strip(_MistralCalls.BETWEEN + "["):
+        if final and (rest.strip(_MistralCalls.BETWEEN + "[") or not self.num_calls):  # no call: all is content
             content += rest.lstrip(_MistralCalls.BETWEEN) if self.num_calls else self.TAG + self.buffer
         return content, calls
 
@@ -392,7 +392,8 @@ class PythonicToolCalls(ToolCallExtractor):
     def _after_calls(self, final: bool) -> str:
         """Content after the calls: Llama 4's closing tag and the blanks around it are dropped."""
         rest = self.buffer.lstrip(_BLANKS)
-        if not final and self.END_TAG.startswith(rest):
+        tag_then_blanks = rest.startswith(self.END_TAG) and not rest[len(self.END_TAG):].strip(_BLANKS)
+        if not final and (self.END_TAG.startswith(rest) or tag_then_blanks):  # the blanks after it may go on
             return ""
         self.buffer = rest[len(self.END_TAG):].lstrip(_BLANKS) if rest.startswith(self.END_TAG) else rest
         return self._content()
@@ -433,7 +434,7 @@ class _PythonCalls(_CallObjects):
                     and all(k.arg is not None for k in call.keywords)):
                 return None
             arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            return call.func.id, json.dumps(arguments, ensure_ascii=False)
+            return call.func.id, _json_text(arguments)
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not literals, or too deep
             return None
 
@@ -491,9 +492,26 @@ def _call_of(text: str, keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a call object's JSON text, or None if it is not one; the arguments are
     under the first of `keys` it has (none: no arguments)."""
     call = _parse(text)
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and _encodable(call["name"])):
         return None
-    return call["name"], json.dumps(next((call[key] for key in keys if key in call), {}), ensure_ascii=False)
+    return call["name"], _json_text(next((call[key] for key in keys if key in call), {}))
+
+
+def _encodable(text: str) -> bool:
+    """Whether UTF-8 can carry `text`: a JSON or Python escape of half a surrogate pair ("\\ud83d") decodes to a
+    string it cannot, which would fail the response mid-stream."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _json_text(value: object) -> str:
+    """`value` as JSON text: non-ASCII characters as they are, unless a string holds a lone surrogate (see
+    `_encodable`): then all escaped, which JSON can carry (a Python literal's escaped emoji is two of them)."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _encodable(text) else json.dumps(value)
 
 
 def _parse(text: str) -> object:
