@@ -56,17 +56,19 @@ def _check_float(name: str, value: object) -> float:
     return float(value)
 
 
-def _check_token_ids(name: str, value: object, limit: int) -> list[int]:
-    """A list of token ids, duplicates dropped (order kept), at most `limit` of them."""
+def _check_token_ids(name: str, value: object, limit: int, sequence: bool = False) -> list[int]:
+    """A list of token ids, at most `limit` of them: a set of ids (duplicates dropped, order kept), or with
+    `sequence` a word's tokens in order (a repeated token is part of it)."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"{name} must be a list of ints, got {type(value).__name__} {value!r:.80}")
     if not set(map(type, value)) <= {int}:  # C loops: a request may carry thousands (allowed_token_ids)
         _check_int(f"{name} entry", next(t for t in value if type(t) is not int))
     if value and min(value) < 0:
         raise ValueError(f"{name} entries must be >= 0, got {min(value)}")
-    value = list(dict.fromkeys(value))
+    value = list(value) if sequence else list(dict.fromkeys(value))
     if len(value) > limit:
-        raise ValueError(f"{name} holds {len(value)} distinct ids, at most {limit} are allowed")
+        raise ValueError(f"{name} holds {len(value)} {'ids' if sequence else 'distinct ids'}, at most {limit} are "
+                         f"allowed")
     return value
 
 
@@ -210,7 +212,7 @@ class SamplingParams:
         if self.bad_words_token_ids is not None:
             if not isinstance(self.bad_words_token_ids, (list, tuple)) or len(self.bad_words_token_ids) > 2 * MAX_STOP_STRINGS:
                 raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_STOP_STRINGS} token id lists")
-            self.bad_words_token_ids = [_check_token_ids("bad_words_token_ids entry", ids, MAX_STOP_TOKEN_IDS)
+            self.bad_words_token_ids = [_check_token_ids("bad_words_token_ids entry", ids, MAX_STOP_TOKEN_IDS, True)
                                         for ids in self.bad_words_token_ids]
             if not all(self.bad_words_token_ids):
                 raise ValueError("bad_words_token_ids entries must be non-empty")

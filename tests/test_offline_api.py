@@ -365,6 +365,10 @@ def test_bad_words_are_never_generated(llm: LLM) -> None:
     two = llm.generate("The", greedy(12, bad_words_token_ids=[pair]), use_tqdm=False)[0].outputs[0].token_ids
     assert two[:5] == free[:5] and two[5] != free[5]
     assert not any(two[i:i + 2] == pair for i in range(len(two) - 1))
+    twice = [free[1], free[1]]  # a word that repeats a token bans the pair, not the token alone
+    assert free[0] != free[1] and SamplingParams(bad_words_token_ids=[twice]).bad_words_token_ids == [twice]
+    rep = llm.generate("The", greedy(12, bad_words_token_ids=[twice]), use_tqdm=False)[0].outputs[0].token_ids
+    assert rep[:2] == free[:2] and not any(rep[i:i + 2] == twice for i in range(len(rep) - 1))
     word = llm.tokenizer.decode([free[1]]).strip()
     spelled = llm.engine.input_processor._bad_words_token_ids([word])
     assert llm.tokenizer.encode(word, add_special_tokens=False) in spelled

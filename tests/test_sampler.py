@@ -1,5 +1,6 @@
 """Sampler checks against direct per-row computations in float64 Python/torch."""
 
+import dataclasses
 import math
 
 import pytest
@@ -50,7 +51,9 @@ def allowed_tokens(logits: list[float], p: SamplingParams, slack: float = 0.0) -
     `slack` widens the top-p cut so rounding at the boundary cannot flip a token.
     """
     scaled = [x / p.temperature for x in logits]
-    order = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    top = max(scaled)  # min-p first, as vLLM: against the most likely token's probability
+    order = [i for i in sorted(range(len(scaled)), key=lambda i: -scaled[i])
+             if math.exp(scaled[i] - top) >= p.min_p * (1 - slack)]
     keep = order[: p.top_k] if p.top_k > 0 else order
     if p.top_p < 1:
         top = max(scaled[i] for i in keep)
@@ -63,8 +66,7 @@ def allowed_tokens(logits: list[float], p: SamplingParams, slack: float = 0.0) -
             kept.append(i)
             mass_above += weights[i] / total
         keep = kept
-    top = max(scaled[i] for i in keep)
-    return {i for i in keep if math.exp(scaled[i] - top) >= p.min_p * (1 - slack)}
+    return set(keep)
 
 
 logits_rows = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=12, max_size=12, unique=True)
@@ -114,6 +116,15 @@ def test_filter_functions_keep_exactly_the_allowed_set(rows):
     for i, (row, p) in enumerate(rows):
         kept = set(torch.isfinite(logits[i]).nonzero().flatten().tolist())
         assert kept == allowed_tokens(row, p), p
+
+
+def test_min_p_filters_before_top_p():
+    """vLLM's order: min-p drops the tail first, then top-p reads the mass of what is left (here token 1 holds
+    0.286 of it, past top_p 0.7's cut); the other order would keep token 1 in 29% of draws."""
+    probs = torch.tensor([0.5, 0.2] + [0.3 / 38] * 38)
+    params = [SamplingParams(top_p=0.7, min_p=0.1)]
+    kept = torch.isfinite(apply_filters(probs.log()[None], build(params, 40))).nonzero()[:, 1].tolist()
+    assert kept == [0]
 
 
 def test_top_k_paths_agree():
@@ -285,6 +296,21 @@ def test_bad_words_ban_beside_min_tokens(device):
     assert Sampler()(logits, metadata).sampled_token_ids.tolist() == [6, EOS, 4]
     with pytest.raises(ValueError, match="banned token id 10 is outside the vocabulary"):
         build(params[:1], 10, device, bad=[{10}])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grammars_mask_is_applied_before_the_logprobs(device):
+    """As vLLM's runner applies the grammar's bitmask before its sampler: the logprobs are over what the grammar
+    allows (unlike logit_bias or allowed_token_ids, which leave the model's own)."""
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]], device=device)
+    metadata = build([SamplingParams(temperature=0, logprobs=2)], 5, device)
+    bitmask = torch.tensor([[0b10110]], dtype=torch.int32)  # tokens 1, 2 and 4
+    metadata = dataclasses.replace(metadata, allowed_tokens=(torch.tensor([0], device=device), bitmask.to(device)))
+    out = Sampler()(logits, metadata)
+    assert out.sampled_token_ids.tolist() == [1]
+    expected = torch.tensor([3.0, 2.0, 0.0]).log_softmax(-1)
+    assert out.logprobs.logprob_token_ids[0].tolist() == [1, 1, 2]  # the sampled token, then the top 2
+    assert out.logprobs.logprobs[0].cpu() == pytest.approx(expected[[0, 0, 1]])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -93,6 +93,12 @@ def test_bad_values_name_the_field(field, value, error):
         SamplingParams(**{field: value})
 
 
+def test_token_id_sets_drop_duplicates_and_words_keep_them():
+    params = SamplingParams(stop_token_ids=[3, 3, 4], allowed_token_ids=[5, 5], bad_words_token_ids=[[5, 3, 5], [7, 7]])
+    assert params.stop_token_ids == [3, 4] and params.allowed_token_ids == [5]
+    assert params.bad_words_token_ids == [[5, 3, 5], [7, 7]]  # a word's tokens, in order
+
+
 def test_min_tokens_above_max_tokens():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)

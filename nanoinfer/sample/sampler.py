@@ -59,13 +59,13 @@ class Sampler(nn.Module):
         # filters (they upcast what they read).
         if metadata.max_num_logprobs is not None or metadata.counted is not None or metadata.logit_bias is not None:
             logits = logits.float()
+        if metadata.allowed_tokens is not None:  # structured outputs: only what the grammar allows next; as vLLM's
+            logits = apply_token_bitmask(logits, *metadata.allowed_tokens)  # runner, before the logprobs
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(dim=-1)
         logits = apply_allowed_token_ids(logits, metadata)
         logits = apply_logit_bias(logits, metadata)
         logits = apply_banned_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
-        if metadata.allowed_tokens is not None:  # structured outputs: only what the grammar allows next
-            logits = apply_token_bitmask(logits, *metadata.allowed_tokens)
         sampled = sample(logits, metadata)
         logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         if metadata.counted is not None:  # last, once nothing can raise: a failed batch is sampled again row by row
@@ -149,14 +149,15 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
 
 
 def apply_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Temperature, then top-k / top-p, then min-p: filtered-out tokens become -inf."""
+    """Temperature, then min-p, then top-k / top-p (vLLM's order: min-p and top-p do not commute): filtered-out
+    tokens become -inf."""
     logits = logits / metadata.temperature[:, None]
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
     if metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     elif metadata.top_k is not None:
         logits = apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
     return logits
 
 
