@@ -183,3 +183,38 @@ def test_backend_and_wrapper_decode_stream_the_same(tokenizer, skip):
         streams.append(stream_tokens(detok, output_ids)[1])
     assert streams[0] == streams[1]
     assert "".join(streams[0]) == tokenizer.decode(output_ids, skip_special_tokens=skip)
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A Llama-2-style tokenizer: sentencepiece spaces, and characters outside its vocabulary as byte tokens
+    that its ByteFallback decoder joins run by run (SmolLM2's byte-level BPE has no such runs)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in ["▁", "▁Say", "▁ok", "S", "a", "y", "o", "k"]:
+        vocab.setdefault(piece, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("prompt,output", [("Say 世界", "中文 ok"), ("😀😀", "😀😀 ok"), ("Say ééé", "é")])
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_byte_fallback_prompt_ending_in_byte_tokens(byte_fallback_tokenizer, prompt, output, chunk):
+    """The prompt's context must start on a whole character: its last five tokens here start inside one,
+    and ByteFallback decodes a run of byte tokens (prompt tail and output bytes together) as one, so the
+    output's characters came out as U+FFFD and a stop string on them never matched."""
+    tok = byte_fallback_tokenizer
+    prompt_ids, output_ids = encode(tok, prompt), encode(tok, output)[1:]  # no leading "▁" before the output
+    assert tok.convert_ids_to_tokens(prompt_ids[-5])[:3] == "<0x"  # the 5-token context starts mid-character
+    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams())
+    stop, deltas = stream_tokens(detok, output_ids, chunk)
+    assert stop is None and "".join(deltas) == detok.output_text == tok.decode(output_ids) == output
+    first_char = output[0]
+    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(stop=[first_char], include_stop_str_in_output=True))
+    assert stream_tokens(detok, output_ids, chunk)[0] == first_char and detok.output_text == first_char

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -466,6 +467,32 @@ def test_beam_search_matches_offline(client, offline):
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "use_beam_search": True,
                 "length_penalty": length_penalty}
         assert httpx.post(f"{client.base_url}completions", json=body, headers=AUTH).status_code == 200
+
+
+def test_a_beam_ended_by_eos_leaves_its_text_out(offline, model_path, smollm2_path, tmp_path):
+    """As a sampled request's and vLLM's server's: a beam's end-of-sequence token counts as a completion token,
+    but its text is not in the choice's, even with skip_special_tokens false (here it is an ordinary word: the
+    tiny model's most likely first token made its end-of-sequence token)."""
+    from nanoinfer import BeamSearchParams
+
+    first = offline.beam_search(["hi"], BeamSearchParams(beam_width=1, max_tokens=1, ignore_eos=True))[0]
+    eos = first.sequences[0].tokens[-1]
+    folder = tmp_path / "model"
+    shutil.copytree(model_path, folder)
+    for name in ("config.json", "generation_config.json"):
+        if (folder / name).exists():
+            (folder / name).write_text(json.dumps(json.loads((folder / name).read_text()) | {"eos_token_id": eos}))
+    srv = launch_server(str(tmp_path / "server.log"), str(folder), "--tokenizer", smollm2_path)
+    try:
+        body = {"prompt": "hi", "n": 2, "max_tokens": 3, "use_beam_search": True, "skip_special_tokens": False,
+                "length_penalty": -2.0}  # short beams first
+        out = httpx.post(f"{srv.url}/v1/completions", json=body).json()
+    finally:
+        assert srv.stop() == 0, srv.log()
+    stopped = [c for c in out["choices"] if c["finish_reason"] == "stop"]
+    assert stopped and all(c["text"] == "" for c in stopped), out["choices"]  # the one token is the end of sequence
+    assert offline.tokenizer.decode([eos]) != ""
+    assert out["usage"]["completion_tokens"] == sum(1 if c["finish_reason"] == "stop" else 3 for c in out["choices"])
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, offline):

@@ -67,6 +67,11 @@ class BeamSearchSequence:
     text: str | None = None
     finish_reason: str | None = None
 
+    def text_token_ids(self, prompt_len: int) -> list[int]:
+        """The generated tokens whose text a completion returns: all but an ending end-of-sequence token, whose
+        text a sampled request leaves out too (vLLM's server does the same for beams)."""
+        return self.tokens[prompt_len : len(self.tokens) - (self.finish_reason == "stop")]
+
 
 @dataclass
 class BeamSearchOutput:

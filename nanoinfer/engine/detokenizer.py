@@ -19,8 +19,10 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Prompt tokens decoded ahead of the first output token, so it gets the same
-# text (spaces, merged bytes) as it would in the full sequence.
+# text (spaces, merged bytes) as it would in the full sequence: at least the
+# first, more (up to the second) until that context starts on a whole character.
 _PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 _INCOMPLETE_CHAR = "\ufffd"
 
 
@@ -42,12 +44,25 @@ class IncrementalDetokenizer:
         else:
             self._decode = partial(tokenizer.decode, skip_special_tokens=params.skip_special_tokens,
                                    clean_up_tokenization_spaces=False)
-        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.token_ids = self._prompt_context(prompt_token_ids)
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.num_output_tokens = 0
         self.output_text = ""
         self._streamed_offset = 0
+
+    def _prompt_context(self, prompt_token_ids: list[int]) -> list[int]:
+        """The shortest prompt suffix of at least _PROMPT_CONTEXT_TOKENS tokens that decodes without U+FFFD.
+
+        A byte-fallback tokenizer (Llama-2, Mistral) decodes a run of byte tokens as one: a context starting
+        inside a character would turn the output's own bytes, joined to that run, into U+FFFD too. If no suffix
+        up to _MAX_PROMPT_CONTEXT_TOKENS is whole (the prompt ends inside a character), the shortest is kept.
+        """
+        for length in range(_PROMPT_CONTEXT_TOKENS, min(len(prompt_token_ids), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+            context = prompt_token_ids[-length:]
+            if _INCOMPLETE_CHAR not in self._decode(context):
+                return list(context)
+        return list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> tuple[str, int] | None:
         """Append new tokens; if one completes a stop string, return it and how many of the new tokens the

@@ -30,6 +30,7 @@ class ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_sent: int = 0  # tokens already in an output (DELTA)
+    finish_sent: bool = False  # its finish_reason was in an output (DELTA: later outputs leave it out)
     decode: bool = True  # SamplingParams.detokenize: text and logprobs' decoded tokens
 
 
@@ -174,6 +175,9 @@ class OutputProcessor:
         completions = []
         for child in parent.children.values():
             finished = child.finish_reason is not None
+            if delta and child.finish_sent:  # n > 1: a child that ended in an earlier output has nothing new
+                continue
+            child.finish_sent = finished
             text = child.detokenizer.get_next_output_text(finished, delta) if child.detokenizer else ""
             start = child.num_sent if delta else 0
             logprobs = child.logprobs[start:] if child.logprobs is not None else None

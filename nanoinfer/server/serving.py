@@ -443,7 +443,7 @@ class OpenAIServing:
             return None
         stream = OutputStream([f"{request_id}-{i}" for i in range(len(prompts))])
         for output_id, ids, search in zip(stream.request_ids, prompts, searches):
-            choices = [CompletionOutput(j, self.tokenizer.decode(beam.tokens[len(ids):], skip_special_tokens=
+            choices = [CompletionOutput(j, self.tokenizer.decode(beam.text_token_ids(len(ids)), skip_special_tokens=
                                                                  req.skip_special_tokens) if self.tokenizer else "",
                                         beam.tokens[len(ids):], None, beam.finish_reason)
                        for j, beam in enumerate(search.best())]
