@@ -326,13 +326,14 @@ def test_output_kinds(smol: LLM) -> None:
         assert (last.index, last.text, last.token_ids, last.finish_reason, last.stop_reason) == (
             whole.index, whole.text, whole.token_ids, whole.finish_reason, whole.stop_reason)
         assert last.logprobs == approx_logprobs(whole.logprobs)  # another request: another batch row
-        parts = [o.outputs[index] for o in delta]
+        parts = [c for o in delta for c in o.outputs if c.index == index]
         assert "".join(p.text for p in parts) == whole.text
         assert [t for p in parts for t in p.token_ids] == whole.token_ids
         assert [lp for p in parts for lp in p.logprobs] == approx_logprobs(whole.logprobs)
         assert parts[-1].finish_reason == whole.finish_reason
         lengths = [len(o.outputs[index].token_ids) for o in cumulative]
         assert lengths == sorted(lengths)
+    assert all(c.token_ids or c.finish_reason for o in delta for c in o.outputs)  # only what is new
     assert final[0].outputs[0].text != final[0].outputs[1].text  # seeded per child: two samples
 
 

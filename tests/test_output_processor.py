@@ -7,9 +7,10 @@ from nanoinfer.outputs import EngineCoreOutput, RequestOutputKind
 from nanoinfer.sampling_params import SamplingParams
 
 
-def test_delta_outputs_of_n_children_give_each_finish_once(smollm2_path):
-    """DELTA with n=2: once a child's output carried its finish_reason, later outputs of the request leave that
-    child out (they repeated it, empty, with its finish_reason: a client counting finishes saw it twice)."""
+def test_delta_outputs_of_n_children_give_only_what_is_new(smollm2_path):
+    """DELTA with n=2: an output holds only the children with something new, as vLLM's do. Once a child's output
+    carried its finish_reason, later outputs leave that child out (they repeated it, empty, with its finish_reason:
+    a client counting finishes saw it twice), and a child that did not step (preempted, waiting) is left out too."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     processor = OutputProcessor(tokenizer)
     ids = tokenizer.encode(" a b c d", add_special_tokens=False)
@@ -18,10 +19,13 @@ def test_delta_outputs_of_n_children_give_each_finish_once(smollm2_path):
              [EngineCoreOutput("r@0", ids[1:2], finish_reason="length"), EngineCoreOutput("r@1", ids[1:2])],
              [EngineCoreOutput("r@1", ids[2:3])],
              [EngineCoreOutput("r@1", ids[3:4], finish_reason="length")]]
+    processor.add_request("s", None, [1], SamplingParams(n=2, max_tokens=4), ["s@0", "s@1"], RequestOutputKind.DELTA)
+    steps[2].append(EngineCoreOutput("s@0", ids[:1]))
     seen = []
     for step in steps:
-        (output,), _ = processor.process_outputs(step)
+        output, *others = processor.process_outputs(step)[0]
         seen.append([(c.index, c.text, c.finish_reason) for c in output.outputs])
+        assert [[(c.index, c.text) for c in o.outputs] for o in others] == ([[(0, " a")]] if len(seen) == 3 else [])
     assert seen == [[(0, " a", None), (1, " a", None)], [(0, " b", "length"), (1, " b", None)],
                     [(1, " c", None)], [(1, " d", "length")]]
-    assert output.finished and not processor.parents
+    assert output.finished and list(processor.parents) == ["s"]

@@ -175,8 +175,8 @@ class OutputProcessor:
         completions = []
         for child in parent.children.values():
             finished = child.finish_reason is not None
-            if delta and child.finish_sent:  # n > 1: a child that ended in an earlier output has nothing new
-                continue
+            if delta and len(child.token_ids) == child.num_sent and (not finished or child.finish_sent):
+                continue  # n > 1: a child that did not step, or ended in an earlier output, has nothing new
             child.finish_sent = finished
             text = child.detokenizer.get_next_output_text(finished, delta) if child.detokenizer else ""
             start = child.num_sent if delta else 0
