@@ -50,9 +50,8 @@ def measure(args) -> dict:
     seed(0)
     for i in range(args.num_seqs):
         prompt = [randint(2, 2000) for _ in range(randint(100, 1024))]
-        engine.add_request(str(i), prompt, SamplingParams(temperature=0.6, ignore_eos=True,
-                                                          max_tokens=args.steps + 64),
-                           output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.steps + 64,
+                                                          output_kind=RequestOutputKind.FINAL_ONLY))
     scheduler = engine.core.scheduler
     while scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
         engine.step()

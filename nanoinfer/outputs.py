@@ -75,6 +75,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # vLLM's: the sampled tokens' logprobs summed (with `logprobs` only)
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -97,7 +100,7 @@ class RequestOutput:
         mine = {c.index: c for c in self.outputs}
         for c in later.outputs:
             if c.index not in mine:
-                self.outputs.append(c)
+                mine[c.index] = c
                 continue
             merged = mine[c.index]
             merged.text += c.text
@@ -105,6 +108,8 @@ class RequestOutput:
             if c.logprobs is not None:
                 merged.logprobs = (merged.logprobs or []) + c.logprobs
             merged.finish_reason, merged.stop_reason = c.finish_reason, c.stop_reason
+            merged.cumulative_logprob = c.cumulative_logprob  # a running sum: the later one has it all
+        self.outputs = sorted(mine.values(), key=lambda c: c.index)
         self.finished, self.num_cached_tokens = later.finished, later.num_cached_tokens
         self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 

@@ -11,6 +11,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from nanoinfer.outputs import RequestOutputKind
+
 # Below this temperature a request is greedy (argmax); dividing logits by a
 # tiny temperature would only overflow.
 _SAMPLING_EPS = 1e-5
@@ -180,8 +182,12 @@ class SamplingParams:
     # The bad words as token ids: set at admission from bad_words (or given directly).
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow (or its dict)
+    # What each of the request's outputs holds (LLMEngine.add_request; LLM.generate sets FINAL_ONLY, LLM.stream DELTA).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r:.80}")
         if _check_int("n", self.n) < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         self.temperature = _check_float("temperature", self.temperature)

@@ -160,7 +160,7 @@ def test_abort_frees_blocks(llm: LLM) -> None:
     engine.add_request("a", list(range(1, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.core.scheduler.kv_cache_manager.num_free_blocks < engine.core.num_blocks
-    out = engine.abort_request("a")
+    (out,) = engine.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     engine.step()
     assert not engine.has_unfinished_requests()

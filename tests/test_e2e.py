@@ -4,6 +4,8 @@ chunked prefill, preemption and batching."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from logprobs_close import approx_logprobs
@@ -313,7 +315,7 @@ def test_output_kinds(smol: LLM) -> None:
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, logprobs=2, stop=[" the"])
     seen: dict[RequestOutputKind, list] = {}
     for kind in RequestOutputKind:
-        engine.add_request(kind.value, PROMPTS[2], params, output_kind=kind)
+        engine.add_request(kind.value, PROMPTS[2], dataclasses.replace(params, output_kind=kind))
         seen[kind] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -433,7 +435,7 @@ def test_prompt_logprobs_survive_chunks_cached_prefixes_preemption_and_n(tiny_mo
 
     # A DELTA stream carries them once, in its first output.
     engine = chunked.engine
-    engine.add_request("delta", prompts[1], params, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("delta", prompts[1], dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
     carried = []
     while engine.has_unfinished_requests():
         carried += [o.prompt_logprobs for o in engine.step() if o.request_id == "delta"]

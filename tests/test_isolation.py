@@ -130,14 +130,40 @@ def test_path_fields_are_ignored_and_urls_do_not_escape(server):
     response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body | {"guided_grammar": "/etc/passwd"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "guided_grammar"
     assert PASSWD_LINE not in response.text
+    # A request's own chat template needs --trust-request-chat-template: a 400 here, as vLLM's.
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "chat_template": "{% include '/etc/passwd' %}"}
     response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=chat)
-    assert response.status_code == 200 and PASSWD_LINE not in response.text
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
+    assert "--trust-request-chat-template" in response.text and PASSWD_LINE not in response.text
     for path in ["/../../etc/passwd", "/v1/../../../etc/passwd", "/v1/models/..%2f..%2fetc%2fpasswd",
                  "/static/../../etc/passwd", "/docs/../../etc/passwd", "//etc/passwd"]:
         response = httpx.get(f"{server.url}{path}", headers=AUTH)
         assert response.status_code == 404 and PASSWD_LINE not in response.text, path
+
+
+def test_a_trusted_request_template_renders_that_request_alone(model_path, smollm2_path, tmp_path):
+    """With --trust-request-chat-template a request's own template (Jinja text, never a path) renders its
+    conversation, and only its own: the next request gets the model's template. The sandbox has no loader, so an
+    include is an error, not a file."""
+    server = launch_server(str(tmp_path / "server.log"), model_path, "--tokenizer", smollm2_path,
+                           "--trust-request-chat-template")
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        own = {"messages": messages, "chat_template": "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}
+        plain = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"]
+        tokens = httpx.post(f"{server.url}/tokenize", json=own).json()["tokens"]
+        assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"] == "<hi>"
+        assert httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"] == plain != tokens
+        reply = httpx.post(f"{server.url}/v1/chat/completions", json=own | {"max_tokens": 2, "echo": False})
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
+        for template, param in [("{% include '/etc/passwd' %}", "messages"), ("{% for m in messages %}", "chat_template"),
+                                ("/etc/passwd", "chat_template")]:
+            response = httpx.post(f"{server.url}/v1/chat/completions", json=own | {"chat_template": template})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+            assert PASSWD_LINE not in response.text
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 # ----- prompts in the logs -----

@@ -158,9 +158,14 @@ def test_dict_prompts_as_vllm_takes_them(llm):
                         use_tqdm=False)
     assert len({o.outputs[0].text for o in outs}) == 1
     assert llm.generate({"prompt": PROMPTS[1]}, greedy(4), use_tqdm=False)[0].prompt == PROMPTS[1]
-    for bad in ({"prompt_token_ids": ids, "prompt": "x"}, {"text": "x"}, {"prompt": "x", "multi_modal_data": {}}):
-        with pytest.raises(ValueError, match="a dict prompt takes one of"):
+    # Token ids with the text they stand for (as LLM.chat gives them): the ids run, the output reports the text.
+    out = llm.generate({"prompt_token_ids": ids, "prompt": "named"}, greedy(8), use_tqdm=False)[0]
+    assert out.prompt == "named" and out.prompt_token_ids == ids and out.outputs[0].text == outs[0].outputs[0].text
+    for bad in ({"text": "x"}, {"prompt": "x", "multi_modal_data": {}}, {"cache_salt": "a"}):
+        with pytest.raises(ValueError, match="a dict prompt takes 'prompt'"):
             llm.generate([bad], greedy(4), use_tqdm=False)
+    with pytest.raises(TypeError, match="'prompt' must be a str"):
+        llm.generate([{"prompt_token_ids": ids, "prompt": 5}], greedy(4), use_tqdm=False)
     assert_no_leak(llm)
 
 
@@ -229,7 +234,7 @@ def test_child_seeds_wrap_around_the_seed_range(llm):
     (dict(request_id=None), TypeError, "request_id must be a str"),
     (dict(cache_salt=123), TypeError, "cache_salt must be a str"),
     (dict(cache_salt="tenant\ud800"), ValueError, "cache_salt must be valid Unicode text"),  # hashed in a step
-    (dict(output_kind="delta"), TypeError, "output_kind must be a RequestOutputKind"),
+    (dict(prompt={"prompt": "hi", "cache_salt": "a"}, cache_salt="b"), ValueError, "cache_salt is given twice"),
 ])
 def test_add_request_checks_its_arguments(llm, kwargs, error, match):
     kwargs = {"request_id": "x", "prompt": [1, 2, 3], "params": greedy(4)} | kwargs
@@ -245,6 +250,31 @@ def run_all(engine) -> dict:
             if out.finished:
                 finals[out.request_id] = out
     return finals
+
+
+def test_the_engine_api_as_vllms(llm):
+    """vLLM's LLMEngine: add_request takes any prompt form and returns the id, SamplingParams.output_kind says
+    what outputs hold, abort_request takes one id or several, CompletionOutput.finished()."""
+    from nanoinfer import RequestOutputKind
+
+    engine = llm.engine
+    with pytest.raises(TypeError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")
+    delta = greedy(4, output_kind=RequestOutputKind.DELTA)
+    assert engine.add_request("d", {"prompt": PROMPTS[0], "cache_salt": "t"}, delta) == "d"
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 1, 1, 1]  # DELTA: one new token each
+    assert outputs[-1].outputs[0].finished() and not outputs[0].outputs[0].finished()
+    for request_id in ("a", "b", "c"):
+        engine.add_request(request_id, [1, 2, 3], greedy(50))
+    engine.step()
+    finals = engine.abort_request(["a", "b", "gone"])
+    assert [(f.request_id, f.outputs[0].finish_reason) for f in finals] == [("a", "abort"), ("b", "abort")]
+    assert [f.request_id for f in engine.abort_request("c")] == ["c"] and engine.abort_request("c") == []
+    assert not engine.has_unfinished_requests()
+    assert_no_leak(llm)
 
 
 def test_an_id_like_a_childs_is_its_own_request(llm):
@@ -411,6 +441,23 @@ def test_chat_continues_the_final_message(llm) -> None:
     assert llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True,
                     use_tqdm=False)[0].outputs[0].token_ids == \
         llm.generate([rendered], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_chat_reports_the_rendered_prompt_and_takes_a_template(llm) -> None:
+    """As vLLM's LLM.chat: each output's prompt is the conversation as the template rendered it; chat_template
+    (Jinja text) replaces the model's for that call only."""
+    messages = [{"role": "user", "content": "Hi!"}]
+    out = llm.chat(messages, greedy(2), use_tqdm=False)[0]
+    assert out.prompt_token_ids == llm.apply_chat_template(messages)
+    assert out.prompt == llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    own = llm.chat(messages, greedy(2), use_tqdm=False, chat_template=template)[0]
+    assert own.prompt == "[user] Hi!\n" and own.prompt_token_ids == llm.tokenizer.encode("[user] Hi!\n",
+                                                                                         add_special_tokens=False)
+    assert llm.apply_chat_template(messages) == out.prompt_token_ids  # the model's template again
+    with pytest.raises(ValueError, match="syntax error"):
+        llm.chat(messages, greedy(2), use_tqdm=False, chat_template="{% for m in messages %}")
+    assert_no_leak(llm)
 
 
 def test_max_logprobs_bounds_what_a_request_may_ask_for(tiny_models) -> None:

@@ -29,3 +29,16 @@ def test_delta_outputs_of_n_children_give_only_what_is_new(smollm2_path):
     assert seen == [[(0, " a", None), (1, " a", None)], [(0, " b", "length"), (1, " b", None)],
                     [(1, " c", None)], [(1, " d", "length")]]
     assert output.finished and list(processor.parents) == ["s"]
+
+
+def test_folded_deltas_keep_the_running_logprob_sum_and_the_order():
+    """A slow reader's deltas, folded into one (OutputStream): the later cumulative_logprob is the sum so far,
+    and the completions stay in index order whichever came first."""
+    from nanoinfer.outputs import CompletionOutput, RequestOutput
+
+    first = RequestOutput("r", None, [1], [CompletionOutput(1, "a", [5], [], None, cumulative_logprob=-1.0)], False)
+    first.add(RequestOutput("r", None, [1], [CompletionOutput(0, "x", [7], [], None, cumulative_logprob=-0.5),
+                                             CompletionOutput(1, "b", [6], [], "length", cumulative_logprob=-3.0)],
+                            False))
+    assert [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.finish_reason) for c in first.outputs] == [
+        (0, "x", [7], -0.5, None), (1, "ab", [5, 6], -3.0, "length")]

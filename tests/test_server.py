@@ -206,6 +206,56 @@ def test_tokenize_detokenize(server, offline):
     assert cont["tokens"] == offline.apply_chat_template(started, False, continue_final_message=True)
 
 
+def test_text_content_parts_join_with_newlines(server, offline):
+    """As vLLM reads a message's content parts: text, input_text, output_text and refusal are text, joined by
+    newlines; any other part is a 400."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "input_text", "text": "there"},
+             {"type": "output_text", "text": "general"}, {"type": "refusal", "refusal": "Kenobi"}]
+    tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                        json={"messages": [{"role": "user", "content": parts}]}).json()["tokens"]
+    assert tokens == offline.apply_chat_template([{"role": "user", "content": "Hello\nthere\ngeneral\nKenobi"}])
+    for bad in ({"type": "image_url", "image_url": {"url": "http://x"}}, {"type": "refusal", "text": "no"}):
+        response = httpx.post(f"{server.url}/tokenize", headers=AUTH,
+                              json={"messages": [{"role": "user", "content": [parts[0], bad]}]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+        assert bad["type"] in response.json()["error"]["message"]
+
+
+def test_a_client_names_its_response(server):
+    """vLLM's X-Request-Id header (or the body's request_id; the header wins) names the response; two requests
+    of one name at once each get their own completion."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(headers=AUTH, timeout=60) as http:
+            return [r.json() for r in await asyncio.gather(*(
+                http.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "same"})
+                for _ in range(3)))]
+
+    responses = asyncio.run(run())
+    assert [r["id"] for r in responses] == ["cmpl-same"] * 3
+    assert all(r["usage"]["completion_tokens"] == 3 for r in responses)
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "request_id": "mine"}
+    assert httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=chat).json()["id"] == "chatcmpl-mine"
+    named = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH | {"X-Request-Id": "hdr"}, json=chat)
+    assert named.json()["id"] == "chatcmpl-hdr"
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=AUTH | {"X-Request-Id": "s"},
+                      json=chat | {"stream": True}) as response:
+        ids = {json.loads(line[6:])["id"] for line in response.iter_lines() if line.startswith("data: {")}
+    assert ids == {"chatcmpl-s"}
+    assert httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body).json()["id"].startswith("cmpl-")
+
+
+def test_an_error_names_the_field_the_client_sent(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,
+                          json={"messages": CHAT, "max_completion_tokens": 0})
+    error = response.json()["error"]
+    assert error["param"] == "max_completion_tokens" and error["message"].startswith("max_completion_tokens must be")
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,
+                          json={"messages": CHAT, "max_tokens": 0})
+    assert response.json()["error"]["message"].startswith("max_tokens must be")
+
+
 # ----- generation -----
 
 
@@ -790,6 +840,8 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 30}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template"),
     # Bounded per-token work (a client's long lists would slow every request in the batch).
     ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(129)]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(1025))}, 400, "stop_token_ids"),

@@ -97,7 +97,8 @@ class IncrementalDetokenizer:
 
     def _truncate_at_stop(self, checked_length: int) -> str | None:
         """Find the earliest stop string ending past `checked_length` (at the same place, the first in the
-        list, as vLLM picks) and cut the text there."""
+        list) and cut the text there. vLLM takes the first in the list that matches, which can keep another stop
+        string in the text when one step's tokens complete two; the earliest never does."""
         match: tuple[int, str] | None = None
         for stop in self.stop:
             # Text up to checked_length held no stop string, so a match must end after it.

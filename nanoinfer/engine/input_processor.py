@@ -9,11 +9,12 @@ import dataclasses
 import inspect
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from nanoinfer.config import check_chat_template
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import Request
 from nanoinfer.sample.structured import GrammarCache, GrammarCompiler, parse_grammar
@@ -23,6 +24,26 @@ from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams, c
 # apply_chat_template's own arguments (and the conversation's name inside templates): chat_template_kwargs holds
 # variables for the template, never another template or another way of rendering it.
 _RENDER_ARGUMENTS = {*inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters, "messages"} - {"kwargs"}
+
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (the latter may also
+# hold "prompt": the text the ids stand for, which outputs report), either with an optional "cache_salt".
+Prompt = str | list[int] | dict
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None, str | None]:
+    """(what to tokenize: text or token ids, the text the outputs report, cache_salt) of a prompt in any form."""
+    if not isinstance(prompt, Mapping):
+        return prompt, prompt if isinstance(prompt, str) else None, None
+    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
+    if not any(key in prompt for key in _PROMPT_KEYS) or unknown:
+        raise ValueError(f"a dict prompt takes 'prompt' (text) or 'prompt_token_ids' (with the text they stand for "
+                         f"as 'prompt', if you like), and optionally 'cache_salt'; got keys {sorted(prompt)}")
+    text = prompt.get("prompt")
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
+    return prompt.get("prompt_token_ids", text), text, prompt.get("cache_salt")
 
 
 def _template_message(message: dict) -> dict:
@@ -117,12 +138,17 @@ class InputProcessor:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
-        """A conversation through the model's chat template, as token ids; `tools`: the functions (OpenAI's
-        {"type": "function", "function": {...}}) the template tells the model it may call; `template_kwargs`: more
-        variables for the template (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking). ValueError when
-        there is no template, the text cannot fit in max_model_len, or the template refuses the conversation."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+                    template_kwargs: dict | None = None, chat_template: str | None = None) -> dict:
+        """A conversation through the chat template, as a prompt: {"prompt": the rendered text, "prompt_token_ids":
+        its tokens} (the text tokenized without special tokens of the tokenizer's own: the template wrote them, as
+        transformers does). `tools`: the functions (OpenAI's {"type": "function", "function": {...}}) the template
+        tells the model it may call; `template_kwargs`: more variables for the template (vLLM's
+        chat_template_kwargs, e.g. Qwen3's enable_thinking); `chat_template`: a Jinja template (text) in place of
+        the model's. ValueError when there is no template, the text cannot fit in max_model_len, or the template
+        refuses the conversation."""
+        if chat_template is not None:
+            chat_template = check_chat_template(chat_template)
+        if self.tokenizer is None or not (chat_template or getattr(self.tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template")
         reserved = sorted(set(template_kwargs or ()) & _RENDER_ARGUMENTS)
         if reserved:  # the template's variables only: not the template itself, nor how it is rendered
@@ -136,12 +162,13 @@ class InputProcessor:
                                 + (len(json.dumps(tools)) if tools else 0))
         messages = [_template_message(m) for m in messages]
         try:
-            return list(self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-                **(template_kwargs or {})))
+                continue_final_message=continue_final_message, tokenize=False, chat_template=chat_template,
+                **(template_kwargs or {}))
         except Exception as e:  # jinja and transformers raise many types for a conversation they reject
             raise ValueError(f"the chat template rejected the messages: {e}") from None
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, truncated: bool = False
                  ) -> list[int]:
@@ -173,11 +200,16 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})")
         return token_ids
 
-    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams,
                 priority: int = 0, cache_salt: str | None = None) -> Admitted:
         """The prompt's token ids and the request(s) to add to the core (n children when n > 1; an embedding's
         one, which computes its prompt and nothing more). With truncate_prompt_tokens the prompt keeps its last
-        tokens, and its text becomes theirs."""
+        tokens, and its text becomes theirs. `cache_salt`: also a dict prompt's key, but not both."""
+        prompt, text, salt = unpack_prompt(prompt)
+        if salt is not None:
+            if cache_salt is not None:
+                raise ValueError("cache_salt is given twice: in the prompt dict and as an argument")
+            cache_salt = salt
         pooling = isinstance(params, PoolingParams)
         if not (pooling or isinstance(params, SamplingParams)):
             raise TypeError(f"params must be SamplingParams (or PoolingParams: embeddings), got "
@@ -206,7 +238,6 @@ class InputProcessor:
             params = self._check_sampling(params)
         keep = params.truncate_prompt_tokens
         token_ids = self.tokenize(prompt, truncated=keep is not None)
-        text = prompt if isinstance(prompt, str) else None
         if keep is not None:
             if keep > self.limits.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
@@ -214,7 +245,7 @@ class InputProcessor:
             keep = self.limits.max_model_len - (0 if pooling else 1) if keep == -1 else keep
             if len(token_ids) > keep:
                 token_ids = token_ids[-keep:]
-                text = None if text is None else self.tokenizer.decode(token_ids)
+                text = None if text is None or self.tokenizer is None else self.tokenizer.decode(token_ids)
         max_tokens = self.check_length(len(token_ids), 0 if pooling else params.max_tokens)
         arrival = time.monotonic()
         if pooling:  # one step past its prompt it has its vector: the core counts that step as a token's

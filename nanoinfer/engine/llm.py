@@ -3,6 +3,7 @@ with runner="pooling"."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import time
@@ -15,17 +16,14 @@ from tqdm.auto import tqdm
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, live_beams
 from nanoinfer.engine.core import defer_full_collections
+from nanoinfer.engine.input_processor import Prompt, unpack_prompt
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import (EmbeddingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
                                ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams, pair_scores, score_pairs
 from nanoinfer.sampling_params import SamplingParams
 
-# A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (either with an
-# optional "cache_salt").
-Prompt = str | list[int] | dict
 Message = dict[str, Any]
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 _collecting = False  # a garbage collection is running: finalizers run, wherever the code that allocated was
 
 
@@ -35,18 +33,6 @@ def _track_collections(phase: str, info: dict) -> None:
 
 
 gc.callbacks.append(_track_collections)
-
-
-def _unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None]:
-    """(text or token ids, cache_salt) of a prompt in any of its forms."""
-    if not isinstance(prompt, Mapping):
-        return prompt, None
-    given = [key for key in _PROMPT_KEYS if key in prompt]
-    unknown = sorted(set(prompt) - {*_PROMPT_KEYS, "cache_salt"})
-    if len(given) != 1 or unknown:
-        raise ValueError(f"a dict prompt takes one of {list(_PROMPT_KEYS)} and optionally 'cache_salt', got "
-                         f"keys {sorted(prompt)}")
-    return prompt[given[0]], prompt.get("cache_salt")
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -164,13 +150,13 @@ class LLM:
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         params.check_width(engine.limits.max_logprobs)
-        unpacked = [_unpack_prompt(p) for p in _prompt_list(prompts)]
-        prompts = [engine.input_processor.tokenize(prompt) for prompt, _ in unpacked]
+        unpacked = [unpack_prompt(p) for p in _prompt_list(prompts)]
+        prompts = [engine.input_processor.tokenize(prompt) for prompt, _, _ in unpacked]
         for ids in prompts:  # the longest beams' last step must fit too: checked before any step runs
             engine.input_processor.check_length(len(ids), params.max_tokens)
         engine.limits.check_waiting_room(0, params.beam_width * len(prompts))  # each step's beams, as the server
         searches = [BeamSearch(ids, params, engine.limits.eos_token_ids, salt)
-                    for ids, (_, salt) in zip(prompts, unpacked)]
+                    for ids, (_, _, salt) in zip(prompts, unpacked)]
         bar = tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm, dynamic_ncols=True)
         while beams := live_beams(searches):
             advance_all(beams, self.generate([{"prompt_token_ids": beam.tokens, "cache_salt": search.cache_salt}
@@ -202,9 +188,9 @@ class LLM:
             try:
                 for request_id, prompt, p, rank in zip(ids, prompts, params, priority):
                     self._inbox[request_id] = []
-                    prompt, cache_salt = _unpack_prompt(prompt)
-                    self.engine.add_request(request_id, prompt, p, rank, cache_salt,
-                                            output_kind=RequestOutputKind.FINAL_ONLY)
+                    if isinstance(p, SamplingParams):
+                        p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                    self.engine.add_request(request_id, prompt, p, rank)
                 return self._run(ids, use_tqdm)
             finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
                 self._forget(ids)
@@ -262,26 +248,35 @@ class LLM:
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the model's chat template; `tools`:
-        the functions the template offers the model (OpenAI's {"type": "function", "function": {...}} form);
-        `chat_template_kwargs`: more template variables (e.g. Qwen3's {"enable_thinking": False});
-        `continue_final_message`: the reply continues the last (assistant's) message instead of starting anew."""
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the model's chat template (or
+        `chat_template`, a Jinja template's text); `tools`: the functions the template offers the model (OpenAI's
+        {"type": "function", "function": {...}} form); `chat_template_kwargs`: more template variables (e.g.
+        Qwen3's {"enable_thinking": False}); `continue_final_message`: the reply continues the last (assistant's)
+        message instead of starting anew. Each output's `prompt` is the rendered conversation."""
         if isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
             messages = [messages]
         if not isinstance(messages, list):
             raise TypeError(f"chat() takes a conversation (a list of {{'role': ..., 'content': ...}}) or a list of "
                             f"them, got {type(messages).__name__}; for plain text use generate()")
-        prompts = [self.apply_chat_template(c, add_generation_prompt, tools, chat_template_kwargs,
-                                            continue_final_message) for c in messages]
+        prompts = [self._render_chat(c, add_generation_prompt, tools, chat_template_kwargs, continue_final_message,
+                                     chat_template) for c in messages]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        """The conversation's token ids, as `chat` would prompt the model with them."""
+        return self._render_chat(messages, add_generation_prompt, tools, chat_template_kwargs, continue_final_message,
+                                 chat_template)["prompt_token_ids"]
+
+    def _render_chat(self, messages: list[Message], add_generation_prompt: bool, tools: list[dict] | None,
+                     chat_template_kwargs: dict | None, continue_final_message: bool, chat_template: str | None
+                     ) -> dict:
         _check_messages(messages)
         return self.engine.input_processor.render_chat(messages, add_generation_prompt, continue_final_message,
-                                                       tools, chat_template_kwargs)
+                                                       tools, chat_template_kwargs, chat_template)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (stop strings never leak). Streams may be
@@ -303,9 +298,9 @@ class LLM:
     def _stream(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None) -> Iterator[str]:
         self._inbox[request_id] = []
         try:
-            prompt, cache_salt = _unpack_prompt(prompt)
-            self.engine.add_request(request_id, prompt, sampling_params, cache_salt=cache_salt,
-                                    output_kind=RequestOutputKind.DELTA)
+            if isinstance(sampling_params, SamplingParams):
+                sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
+            self.engine.add_request(request_id, prompt, sampling_params)
             for out in self._outputs([request_id]):
                 if out.outputs[0].text:
                     yield out.outputs[0].text

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Iterable
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineCore
-from nanoinfer.engine.input_processor import InputProcessor
+from nanoinfer.engine.input_processor import InputProcessor, Prompt
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
@@ -63,17 +64,13 @@ class LLMEngine:
         """SamplingParams() with the model's recommended values (EngineConfig.generation_config) in place."""
         return SamplingParams(**self.default_sampling)
 
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0, cache_salt: str | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        """Admit a request under the caller's `request_id`. In the core it gets an id of its own (the caller's
-        plus an admission number), so that an id used again after an abort never receives tokens that the
-        earlier request's step, still in flight, sampled."""
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams | None = None,
+                    priority: int = 0, cache_salt: str | None = None) -> str:
+        """Admit a request under the caller's `request_id` (returned); its outputs are as `params.output_kind`
+        says. In the core it gets an id of its own (the caller's plus an admission number), so that an id used
+        again after an abort never receives tokens that the earlier request's step, still in flight, sampled."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if not isinstance(output_kind, RequestOutputKind):
-            raise TypeError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, (SamplingParams, PoolingParams)):
@@ -82,14 +79,23 @@ class LLMEngine:
         admitted = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params, priority,
                                                 cache_salt)
         self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(admitted.children))
+        output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         self.output_processor.add_request(request_id, admitted.prompt, admitted.prompt_token_ids, params,
                                           [c.request_id for c in admitted.children], output_kind)
         for child in admitted.children:
             self.core.add_request(child)
+        return request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.core.abort_requests(self.output_processor.child_ids(request_id))
-        return self.output_processor.abort(request_id)
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Abort one request or several (vLLM takes a list); returns the final outputs of those still unfinished."""
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        finals = []
+        for request_id in request_ids:
+            self.core.abort_requests(self.output_processor.child_ids(request_id))
+            final = self.output_processor.abort(request_id)
+            if final is not None:
+                finals.append(final)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished()

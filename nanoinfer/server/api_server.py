@@ -56,6 +56,7 @@ class ServeOptions:
     log_prompts: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto", its replies read by tool_call_parser
     tool_call_parser: str | None = None
+    trust_request_chat_template: bool = False  # a request's chat_template is rendered (otherwise a 400)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -312,7 +313,8 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
         serving = OpenAIServing(client, list(options.served_model_names), options.log_prompts,
-                                options.tool_call_parser if options.enable_auto_tool_choice else None)
+                                options.tool_call_parser if options.enable_auto_tool_choice else None,
+                                options.trust_request_chat_template)
         app = build_app(client, serving, options)
         uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
                                         timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")

@@ -46,6 +46,9 @@ def add_serve_parser(subparsers) -> None:
                              "Hermes), llama3_json (<|python_tag|>{...}; {...}: Llama 3.1-3.3 with a JSON tool "
                              "template), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral models), "
                              "pythonic ([f(a=1), g()]: Llama 3.2 and Llama 4 with a pythonic template)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a request's own chat_template (Jinja, in a sandbox, yet a template may loop for "
+                             "long: trust the clients; default: such a request is refused)")
     add_engine_args(parser, skip=("model",))
     parser.set_defaults(func=cmd_serve)
 
@@ -61,7 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_output_tokens_per_request=args.max_output_tokens_per_request,
         shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
         access_log=args.access_log, metrics_without_auth=args.metrics_without_auth, log_prompts=args.log_prompts,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template)
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
     run_server(config, options)
     return 0

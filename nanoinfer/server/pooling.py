@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from typing import Callable
 
 import numpy as np
@@ -17,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from nanoinfer.outputs import EmbeddingRequestOutput
 from nanoinfer.pooling_params import PoolingParams, cosine, pair_scores, score_pairs
 from nanoinfer.server.protocol import ApiError, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
-from nanoinfer.server.serving import OpenAIServing
+from nanoinfer.server.serving import OpenAIServing, request_ids
 
 
 class PoolingServing:
@@ -27,14 +26,13 @@ class PoolingServing:
     async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
         self._check(req)
         req.check_form()
-        request_id = f"embd-{uuid.uuid4().hex}"
-        prompts = req.prompts if req.messages is None else lambda: [self.serving.chat_prompt(
-            req.messages, req.add_generation_prompt, req.continue_final_message, None, req.chat_template_kwargs)]
+        response_id, request_id = request_ids("embd", raw, req.request_id)
+        prompts = req.prompts if req.messages is None else lambda: [self.serving.chat_prompt(req)]
         outputs = await self._pool(request_id, prompts, req.pooling_params(req.normalize, req.dimensions), req,
                                    {"prompt": "input" if req.messages is None else "messages"}, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(self._pooled_base(request_id, req.model, outputs) | {
+        return JSONResponse(self._pooled_base(response_id, req.model, outputs) | {
             "object": "list", "data": [{"object": "embedding", "index": i,
                                         "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
                                        for i, o in enumerate(outputs)]})
@@ -47,20 +45,20 @@ class PoolingServing:
             score_pairs(len(side_1), len(side_2))
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        request_id = f"score-{uuid.uuid4().hex}"
+        response_id, request_id = request_ids("score", raw, req.request_id)
         outputs = await self._pool(request_id, lambda: side_1 + side_2, req.pooling_params(), req, {}, raw)
         if outputs is None:
             return Response(status_code=499)
         vectors = [o.outputs.embedding for o in outputs]
         scores = pair_scores(vectors[: len(side_1)], vectors[len(side_1):])
-        return JSONResponse(self._pooled_base(request_id, req.model, outputs) | {
+        return JSONResponse(self._pooled_base(response_id, req.model, outputs) | {
             "object": "list",
             "data": [{"object": "score", "index": i, "score": score} for i, score in enumerate(scores)]})
 
     async def create_rerank(self, req: RerankRequest, raw: Request) -> Response:
         """The documents by their cosine similarity to the query, best first (the top_n best)."""
         self._check(req)
-        request_id = f"rerank-{uuid.uuid4().hex}"
+        response_id, request_id = request_ids("rerank", raw, req.request_id)
         outputs = await self._pool(request_id, req.prompts, req.pooling_params(), req, {"prompt": "documents"}, raw)
         if outputs is None:
             return Response(status_code=499)
@@ -68,7 +66,7 @@ class PoolingServing:
         results = sorted(({"index": i, "relevance_score": cosine(query, o.outputs.embedding)}
                           | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
                           for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
-        return JSONResponse(self._pooled_base(request_id, req.model, outputs)
+        return JSONResponse(self._pooled_base(response_id, req.model, outputs)
                             | {"results": results[: req.top_n or None]})
 
     async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
@@ -85,9 +83,9 @@ class PoolingServing:
         self.serving.check_model(req.model)
         self.serving.check_runner(embeddings=True)
 
-    def _pooled_base(self, request_id: str, model: str | None, outputs: list[EmbeddingRequestOutput]) -> dict:
+    def _pooled_base(self, response_id: str, model: str | None, outputs: list[EmbeddingRequestOutput]) -> dict:
         num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        return {"id": request_id, "created": int(time.time()), "model": self.serving.response_model(model),
+        return {"id": response_id, "created": int(time.time()), "model": self.serving.response_model(model),
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 

@@ -73,6 +73,7 @@ class GenerationRequest(_Body):
     """What both generation endpoints accept besides their prompt."""
 
     model: str | None = None
+    request_id: str | None = None  # vLLM's: names the response ("cmpl-" or "chatcmpl-" + it); X-Request-Id wins
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -235,6 +236,19 @@ def _prompt_list(prompt: object, name: str) -> list[str | list[int]]:
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None  # a "refusal" part's text (an assistant's earlier refusal)
+
+    def as_text(self) -> str:
+        """The part's text, as vLLM reads text-only parts: "text", the Responses API's "input_text" and
+        "output_text", and "refusal"."""
+        value = self.refusal if self.type == "refusal" else self.text if self.type in _TEXT_PARTS else None
+        if value is None:
+            raise ApiError(400, f"content parts must be text (type text, input_text, output_text or refusal, with "
+                                f"its text), got type {self.type!r:.40}", "messages")
+        return value
+
+
+_TEXT_PARTS = ("text", "input_text", "output_text")
 
 
 class FunctionCall(_Body):
@@ -258,10 +272,8 @@ class ChatMessage(_Body):
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: text content only."""
         content = self.content
-        if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise ApiError(400, "only text content parts are supported", "messages")
-            content = "".join(part.text for part in content)
+        if isinstance(content, list):  # one text, the parts' joined by newlines (as vLLM joins them)
+            content = "\n".join(part.as_text() for part in content)
         message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -311,6 +323,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: str | dict | None = None  # "none", "auto", "required" or a NamedToolChoice; default: auto with tools
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # vLLM's: a Jinja template for this request (--trust-request-chat-template)
     include_reasoning: bool = True  # with --reasoning-parser: return reasoning_content (False: drop it)
 
     @property
@@ -383,6 +396,7 @@ class PoolingRequest(_Body):
     """What the embedding model's endpoints share (vLLM's extras)."""
 
     model: str | None = None
+    request_id: str | None = None  # names the response, as a generation request's
     truncate_prompt_tokens: int | None = None
     priority: int = 0
     cache_salt: str | None = None
@@ -404,6 +418,7 @@ class EmbeddingRequest(PoolingRequest):
     add_generation_prompt: bool = False
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
@@ -457,6 +472,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with messages: rendered by the chat template as in a chat completion
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # with messages: as in a chat completion

@@ -28,8 +28,8 @@ from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
-from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                       DetokenizeRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
+from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       EmbeddingRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
                                        template_tools)
 from nanoinfer.sample.think import OPENING, ThinkTags, reply_phase
 from nanoinfer.server.reasoning import ThinkReasoning
@@ -37,7 +37,7 @@ from nanoinfer.server.tool_calls import ToolCallExtractor
 
 # Words that start our validation messages ("top_p must be ...") and name a request field.
 _FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams) + dataclasses.fields(PoolingParams)} | {
-    "prompt", "priority", "tools", "chat_template_kwargs"}
+    "prompt", "priority", "tools", "chat_template", "chat_template_kwargs"}
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _RETRY_AFTER_SECONDS = "1"
 _OFF_LOOP_BODY_BYTES = 16 << 10  # 16 KB of text: ~4 ms to tokenize on a slow core
@@ -48,6 +48,26 @@ logger = logging.getLogger("nanoinfer")
 def _param(message: str, renames: dict[str, str]) -> str | None:
     word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")  # "structured_outputs.json must ..." names its field
     return renames.get(word, word) if word in _FIELD_NAMES else None
+
+
+def _bad_request(error: Exception, renames: dict[str, str], param: str | None = None) -> ApiError:
+    """A 400 for a validation error, its field named as this endpoint calls it ("max_tokens must be ..." reads
+    "max_completion_tokens must be ..." where the client sent that), in the message and as `param`. The prompt
+    keeps its name in the message: a conversation becomes one."""
+    message = str(error)
+    word, _, rest = message.partition(" ")
+    if rest and word in renames and word != "prompt":
+        message = f"{renames[word]} {rest}"
+    return ApiError(400, message, _param(str(error), renames) or param)
+
+
+def request_ids(prefix: str, raw: Request, named: str | None) -> tuple[str, str]:
+    """(the response's id, the engine's). As vLLM's, a client may name its request (the X-Request-Id header, else
+    the body's request_id): the response's id is then that name, prefixed. The engine's id is always a fresh one,
+    unique however clients name their requests."""
+    fresh = f"{prefix}-{uuid.uuid4().hex}"
+    named = raw.headers.get("x-request-id") or named
+    return (fresh if named is None else f"{prefix}-{named}"), fresh
 
 
 def _request_failed(request_id: str) -> ApiError:
@@ -152,10 +172,11 @@ async def _client_disconnected(raw: Request) -> None:
 
 class OpenAIServing:
     def __init__(self, client: CoreClient, model_names: list[str], log_prompts: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.client = client
         self.model_names = model_names
         self.log_prompts = log_prompts
+        self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser  # reads tool_choice "auto" replies; None: auto is refused
         self.tokenizer = client.tokenizer
         # Splits <think> reasoning from content (None: all is content). With tags that are single tokens the engine
@@ -222,7 +243,7 @@ class OpenAIServing:
         if echo_only and req.min_tokens:
             raise ApiError(400, "min_tokens must be 0 with max_tokens 0", "min_tokens")
         renames = {"structured_outputs": req.constraint_field}
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id, request_id = request_ids("cmpl", raw, req.request_id)
         if req.use_beam_search:
             stream = await self._beam_search(request_id, req.prompts, req, req.max_tokens, renames, raw)
         else:
@@ -257,7 +278,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     **({"prompt_logprobs": self._prompt_logprobs(d.output)} if req.prompt_logprobs is not None else {})}
 
-        return await self._respond(stream, raw, req, req.n, request_id, ("text_completion", "text_completion"),
+        return await self._respond(stream, raw, req, req.n, response_id, ("text_completion", "text_completion"),
                                    choice, _without_generated if echo_only else None)
 
     # ----- /v1/chat/completions -----
@@ -274,12 +295,11 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id, request_id = request_ids("chatcmpl", raw, req.request_id)
         tools = template_tools(req.tools)
 
         def prompts() -> list[list[int]]:
-            return [self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message, tools,
-                                     req.chat_template_kwargs)]
+            return [self.chat_prompt(req, tools)]
 
         constrained = False  # a grammar applies (from the first token unless the engine follows the think tags)
         if req.use_beam_search:
@@ -327,7 +347,7 @@ class OpenAIServing:
                     "finish_reason": c.finish_reason if extractor is None else extractor.finish_reason(c.finish_reason),
                     "stop_reason": c.stop_reason}
 
-        return await self._respond(stream, raw, req, req.n, request_id, ("chat.completion.chunk", "chat.completion"),
+        return await self._respond(stream, raw, req, req.n, response_id, ("chat.completion.chunk", "chat.completion"),
                                    choice, top=lambda outputs: {"prompt_logprobs": self._prompt_logprobs(outputs[0])}
                                    if req.prompt_logprobs is not None else {})
 
@@ -339,17 +359,22 @@ class OpenAIServing:
             return self.think.first_phase(output.prompt_token_ids)
         return OPENING if constrained else reply_phase(self.reasoning_parser, None)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool = False, tools: list[dict] | None = None,
-                    template_kwargs: dict | None = None) -> list[int]:
-        """The conversation (and the tools it may call) through the model's chat template, as token ids."""
-        if not messages:
+    def chat_prompt(self, req: ChatCompletionRequest | EmbeddingRequest | TokenizeRequest,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The request's conversation (and the tools it may call) through the chat template, as token ids: the
+        model's template, or the request's own chat_template where the server trusts its clients with one."""
+        if not req.messages:
             raise ApiError(400, "messages is empty", "messages")
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise ApiError(400, "chat_template was given with the request, but this server renders the model's own "
+                                "template only (start it with --trust-request-chat-template to allow yours)",
+                           "chat_template")
         try:
-            return self.client.input_processor.render_chat([m.to_template() for m in messages], add_generation_prompt,
-                                                           continue_final_message, tools, template_kwargs)
-        except ValueError as e:  # chat_template_kwargs' own errors name it; the rest are the messages'
-            raise ApiError(400, str(e), _param(str(e), {"prompt": "messages"}) or "messages") from None
+            return self.client.input_processor.render_chat(
+                [m.to_template() for m in req.messages], req.add_generation_prompt, req.continue_final_message, tools,
+                req.chat_template_kwargs, req.chat_template)["prompt_token_ids"]
+        except ValueError as e:  # chat_template(_kwargs)' own errors name it; the rest are the messages'
+            raise _bad_request(e, {"prompt": "messages"}, "messages") from None
 
     # ----- /tokenize, /detokenize -----
 
@@ -363,8 +388,7 @@ class OpenAIServing:
 
     def _token_ids(self, req: TokenizeRequest) -> list[int]:
         if req.messages is not None:
-            return self.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                    template_tools(req.tools), req.chat_template_kwargs)
+            return self.chat_prompt(req, template_tools(req.tools))
         elif self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer", "prompt")
         else:
@@ -392,7 +416,7 @@ class OpenAIServing:
         try:
             return req.sampling_params(max_tokens, logprobs, self.client.default_sampling)
         except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e), _param(str(e), renames)) from None
+            raise _bad_request(e, renames) from None
 
     async def generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
                         params: SamplingParams | PoolingParams,
@@ -421,7 +445,7 @@ class OpenAIServing:
                             req.priority, req.cache_salt)
             return self.client.register(request_id, params, admitted, req.stream)
         except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e), _param(str(e), renames)) from None
+            raise _bad_request(e, renames) from None
         except OverflowError as e:
             raise ApiError(503, f"{e}; retry later", headers={"Retry-After": _RETRY_AFTER_SECONDS}) from None
 
@@ -463,7 +487,7 @@ class OpenAIServing:
             self.client.check_output_tokens(params.beam_width * params.max_tokens * len(prompts), max_tokens is None)
             self.client.limits.check_waiting_room(0, params.beam_width * len(prompts))  # each step's beams
         except (TypeError, ValueError) as e:
-            raise ApiError(400, str(e), _param(str(e), renames)) from None
+            raise _bad_request(e, renames) from None
         searches = [BeamSearch(ids, params, self.client.limits.eos_token_ids) for ids in prompts]
         step = 0
         while beams := live_beams(searches):
@@ -483,14 +507,14 @@ class OpenAIServing:
             step += 1
         return prompts, searches
 
-    async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, request_id: str,
+    async def _respond(self, stream: OutputStream, raw: Request, req: GenerationRequest, n: int, response_id: str,
                        objects: tuple[str, str], render: Callable[[_Delta, bool], dict],
                        reshape: Callable[[RequestOutput], RequestOutput] | None = None,
                        top: Callable[[list[RequestOutput]], dict] | None = None) -> Response:
         """Server-sent chunks of `render(delta, streaming=True)`, or one JSON response once all is done.
         `objects`: the "object" field of a chunk and of a whole response; `reshape`: applied to every output
         first (so usage counts what the response holds); `top`: more fields of a whole response."""
-        base = {"id": request_id, "created": int(time.time()), "model": self.response_model(req.model)}
+        base = {"id": response_id, "created": int(time.time()), "model": self.response_model(req.model)}
         if req.stream:
             events = self._events(stream, n, base | {"object": objects[0]}, lambda d: render(d, True), req, reshape)
             return EventStreamResponse(events, lambda: self.client.abort(stream))
@@ -500,7 +524,7 @@ class OpenAIServing:
         if reshape is not None:
             outputs = [reshape(o) for o in outputs]
         if any(c.finish_reason == "error" for o in outputs for c in o.outputs):
-            raise _request_failed(request_id)
+            raise _request_failed(response_id)
         choices = [render(_Delta(i * n + c.index, o, c, 0, True), False)
                    for i, o in enumerate(outputs) for c in o.outputs]
         return JSONResponse(base | {"object": objects[1], "choices": choices, "usage": _usage(outputs)}

@@ -38,7 +38,8 @@ def encode_request(request: Request) -> dict:
     return {
         "request_id": request.request_id,
         "prompt_token_ids": request.prompt_token_ids,
-        "sampling_params": dataclasses.asdict(request.sampling_params),
+        # (output_kind is the API process's business: the core gives every request's new tokens each step)
+        "sampling_params": {k: v for k, v in dataclasses.asdict(request.sampling_params).items() if k != "output_kind"},
         "max_tokens": request.max_tokens,
         "priority": request.priority,
         "cache_salt": request.cache_salt,
