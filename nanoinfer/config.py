@@ -23,29 +23,30 @@ def _arg(default: Any, help: str, choices: tuple | None = None) -> Any:
 
 def read_chat_template(value: str | os.PathLike) -> str:
     """The template in a file, or `value` itself when it is one (vLLM's --chat-template takes either), checked
-    (check_chat_template) now rather than at the first chat request."""
+    now rather than at the first chat request. A template loops over the messages, so it holds a Jinja tag: that
+    tells a template from a path, and the text read from a file passes this again (the config is copied with
+    replace())."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"chat_template must be a str or a path, got {type(value).__name__}")
-    if os.path.isfile(value):
+    is_file = os.path.isfile(value)
+    if is_file:
         with open(value, encoding="utf-8") as f:
             template = f.read()
-        if "{{" not in template and "{%" not in template:
-            raise ValueError(f"chat_template file {os.fspath(value)!r} holds no Jinja template")
-        return check_chat_template(template)
-    if "{{" not in os.fspath(value) and "{%" not in os.fspath(value):
-        raise ValueError(f"chat_template {os.fspath(value)!r:.200} is neither a file nor a Jinja template")
-    return check_chat_template(value)
+    else:
+        template = os.fspath(value)
+    if "{{" not in template and "{%" not in template:
+        raise ValueError(f"chat_template file {os.fspath(value)!r} holds no Jinja template" if is_file else
+                         f"chat_template {template!r:.200} is neither a file nor a Jinja template")
+    return check_chat_template(template)
 
 
 def check_chat_template(template: object) -> str:
-    """A Jinja chat template given as text (never a path: a request's template is read as itself), checked for
-    syntax. A template loops over the messages, so it holds a Jinja tag: the text read from a file passes this
-    check again (the config is copied with replace())."""
+    """A Jinja chat template's text checked for syntax (a request's own template: never read as a path)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    if not isinstance(template, str) or ("{{" not in template and "{%" not in template):
-        raise ValueError(f"chat_template {template!r:.200} is not a Jinja template")
+    if not isinstance(template, str):
+        raise TypeError(f"chat_template must be a str (a Jinja template), got {type(template).__name__}")
     try:  # transformers' own environment (its extensions, {% generation %} among them)
         _compile_jinja_template(template)
     except jinja2.TemplateSyntaxError as e:

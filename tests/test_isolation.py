@@ -157,11 +157,15 @@ def test_a_trusted_request_template_renders_that_request_alone(model_path, smoll
         assert httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()["tokens"] == plain != tokens
         reply = httpx.post(f"{server.url}/v1/chat/completions", json=own | {"max_tokens": 2, "echo": False})
         assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(tokens)
-        for template, param in [("{% include '/etc/passwd' %}", "messages"), ("{% for m in messages %}", "chat_template"),
-                                ("/etc/passwd", "chat_template")]:
+        for template, param, words in [("{% include '/etc/passwd' %}", "messages", "rejected the messages"),
+                                       ("{% for m in messages %}", "chat_template", "syntax error"),
+                                       ("{{ 'hello ' * 3000000 }}", "messages", "characters long")]:
             response = httpx.post(f"{server.url}/v1/chat/completions", json=own | {"chat_template": template})
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
-            assert PASSWD_LINE not in response.text
+            assert words in response.text and PASSWD_LINE not in response.text
+        # Text without a Jinja tag is a template that writes itself, never a path.
+        literal = httpx.post(f"{server.url}/tokenize", json=own | {"chat_template": "/etc/passwd"}).json()["tokens"]
+        assert httpx.post(f"{server.url}/detokenize", json={"tokens": literal}).json()["prompt"] == "/etc/passwd"
     finally:
         assert server.stop() == 0, server.log()
 

@@ -166,6 +166,8 @@ def test_dict_prompts_as_vllm_takes_them(llm):
             llm.generate([bad], greedy(4), use_tqdm=False)
     with pytest.raises(TypeError, match="'prompt' must be a str"):
         llm.generate([{"prompt_token_ids": ids, "prompt": 5}], greedy(4), use_tqdm=False)
+    with pytest.raises(TypeError, match="'prompt_token_ids' must be a list of ints"):  # not tokenized as text
+        llm.generate([{"prompt_token_ids": "hello"}], greedy(4), use_tqdm=False)
     assert_no_leak(llm)
 
 
@@ -261,6 +263,8 @@ def test_the_engine_api_as_vllms(llm):
     with pytest.raises(TypeError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="delta")
     delta = greedy(4, output_kind=RequestOutputKind.DELTA)
+    with pytest.raises(TypeError):  # vLLM's fourth argument is arrival_time: ours are keywords
+        engine.add_request("d", PROMPTS[0], delta, 1.5)
     assert engine.add_request("d", {"prompt": PROMPTS[0], "cache_salt": "t"}, delta) == "d"
     outputs = []
     while engine.has_unfinished_requests():
@@ -457,6 +461,8 @@ def test_chat_reports_the_rendered_prompt_and_takes_a_template(llm) -> None:
     assert llm.apply_chat_template(messages) == out.prompt_token_ids  # the model's template again
     with pytest.raises(ValueError, match="syntax error"):
         llm.chat(messages, greedy(2), use_tqdm=False, chat_template="{% for m in messages %}")
+    with pytest.raises(TypeError, match="chat_template must be a str"):
+        llm.chat(messages, greedy(2), use_tqdm=False, chat_template=5)
     assert_no_leak(llm)
 
 

@@ -29,6 +29,7 @@ def test_delta_outputs_of_n_children_give_only_what_is_new(smollm2_path):
     assert seen == [[(0, " a", None), (1, " a", None)], [(0, " b", "length"), (1, " b", None)],
                     [(1, " c", None)], [(1, " d", "length")]]
     assert output.finished and list(processor.parents) == ["s"]
+    assert processor.process_outputs([EngineCoreOutput("s@1", [])])[0] == []  # nothing new: no output at all
 
 
 def test_folded_deltas_keep_the_running_logprob_sum_and_the_order():

@@ -235,6 +235,7 @@ def test_a_client_names_its_response(server):
     responses = asyncio.run(run())
     assert [r["id"] for r in responses] == ["cmpl-same"] * 3
     assert all(r["usage"]["completion_tokens"] == 3 for r in responses)
+    assert server.log().count("is the client's 'same'") == 3  # the log ties the name to the engine's ids
     chat = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "request_id": "mine"}
     assert httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=chat).json()["id"] == "chatcmpl-mine"
     named = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH | {"X-Request-Id": "hdr"}, json=chat)
@@ -243,7 +244,9 @@ def test_a_client_names_its_response(server):
                       json=chat | {"stream": True}) as response:
         ids = {json.loads(line[6:])["id"] for line in response.iter_lines() if line.startswith("data: {")}
     assert ids == {"chatcmpl-s"}
-    assert httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body).json()["id"].startswith("cmpl-")
+    for unnamed in (body, body | {"request_id": ""}):
+        assert re.fullmatch(r"cmpl-[0-9a-f]{32}", httpx.post(f"{server.url}/v1/completions", headers=AUTH,
+                                                              json=unnamed).json()["id"])
 
 
 def test_an_error_names_the_field_the_client_sent(server):

@@ -43,7 +43,12 @@ def unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None, str | No
     text = prompt.get("prompt")
     if text is not None and not isinstance(text, str):
         raise TypeError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
-    return prompt.get("prompt_token_ids", text), text, prompt.get("cache_salt")
+    if "prompt_token_ids" not in prompt:
+        return text, text, prompt.get("cache_salt")
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, (list, tuple)):  # (a str here would be tokenized as text)
+        raise TypeError(f"a dict prompt's 'prompt_token_ids' must be a list of ints, got {type(ids).__name__}")
+    return ids, text, prompt.get("cache_salt")
 
 
 def _template_message(message: dict) -> dict:
@@ -168,6 +173,7 @@ class InputProcessor:
                 **(template_kwargs or {}))
         except Exception as e:  # jinja and transformers raise many types for a conversation they reject
             raise ValueError(f"the chat template rejected the messages: {e}") from None
+        self.check_prompt_chars(len(text))  # a template may write far more than the messages hold
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True, truncated: bool = False

@@ -190,7 +190,7 @@ class LLM:
                     self._inbox[request_id] = []
                     if isinstance(p, SamplingParams):
                         p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                    self.engine.add_request(request_id, prompt, p, rank)
+                    self.engine.add_request(request_id, prompt, p, priority=rank)
                 return self._run(ids, use_tqdm)
             finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
                 self._forget(ids)

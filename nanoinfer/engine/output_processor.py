@@ -128,8 +128,10 @@ class OutputProcessor:
                 sampled = [lp for lp in new_logprobs if lp is not None]
                 child.logprobs.extend(self._logprobs(lp, child.decode) for lp in sampled)
                 child.cumulative_logprob += sum(lp.logprob for lp in sampled)
-            if parent.output_kind is not RequestOutputKind.FINAL_ONLY or child.finish_reason is not None:
-                touched[parent_id] = parent  # (a FINAL_ONLY request has nothing to say until a child ends)
+            # An output says something new: a token, or an end (a FINAL_ONLY request has nothing to say until then).
+            if child.finish_reason is not None or (new_token_ids and
+                                                   parent.output_kind is not RequestOutputKind.FINAL_ONLY):
+                touched[parent_id] = parent
         return embeddings + [self._make_output(p) for p in touched.values()
                              if p.output_kind is not RequestOutputKind.FINAL_ONLY or p.finished], stopped
 

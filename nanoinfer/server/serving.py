@@ -38,6 +38,8 @@ from nanoinfer.server.tool_calls import ToolCallExtractor
 # Words that start our validation messages ("top_p must be ...") and name a request field.
 _FIELD_NAMES = {f.name for f in dataclasses.fields(SamplingParams) + dataclasses.fields(PoolingParams)} | {
     "prompt", "priority", "tools", "chat_template", "chat_template_kwargs"}
+# Fields an endpoint takes under another name for the same value: its errors say the client's name.
+_SAME_VALUE_RENAMES = frozenset({"max_tokens", "logprobs"})
 _MIN_LOGPROB = -9999.0  # JSON has no -inf
 _RETRY_AFTER_SECONDS = "1"
 _OFF_LOOP_BODY_BYTES = 16 << 10  # 16 KB of text: ~4 ms to tokenize on a slow core
@@ -45,20 +47,17 @@ _OFF_LOOP_BODY_BYTES = 16 << 10  # 16 KB of text: ~4 ms to tokenize on a slow co
 logger = logging.getLogger("nanoinfer")
 
 
-def _param(message: str, renames: dict[str, str]) -> str | None:
-    word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")  # "structured_outputs.json must ..." names its field
-    return renames.get(word, word) if word in _FIELD_NAMES else None
-
-
 def _bad_request(error: Exception, renames: dict[str, str], param: str | None = None) -> ApiError:
-    """A 400 for a validation error, its field named as this endpoint calls it ("max_tokens must be ..." reads
-    "max_completion_tokens must be ..." where the client sent that), in the message and as `param`. The prompt
-    keeps its name in the message: a conversation becomes one."""
+    """A 400 for a validation error. Our messages start with the field they are about ("top_p must be ...",
+    "structured_outputs.json ..."): `param` names it as this endpoint calls it (`renames`), and where the client
+    sent a field by another name for the same value (max_completion_tokens, top_logprobs) the message does too."""
     message = str(error)
-    word, _, rest = message.partition(" ")
-    if rest and word in renames and word != "prompt":
-        message = f"{renames[word]} {rest}"
-    return ApiError(400, message, _param(str(error), renames) or param)
+    word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
+    if word in _FIELD_NAMES:
+        param = renames.get(word, word)
+        if word in _SAME_VALUE_RENAMES and message.startswith(f"{word} "):
+            message = param + message[len(word):]
+    return ApiError(400, message, param)
 
 
 def request_ids(prefix: str, raw: Request, named: str | None) -> tuple[str, str]:
@@ -67,7 +66,10 @@ def request_ids(prefix: str, raw: Request, named: str | None) -> tuple[str, str]
     unique however clients name their requests."""
     fresh = f"{prefix}-{uuid.uuid4().hex}"
     named = raw.headers.get("x-request-id") or named
-    return (fresh if named is None else f"{prefix}-{named}"), fresh
+    if not named:
+        return fresh, fresh
+    logger.info("request %s is the client's %r", fresh, named[:200])  # the log names the engine's id
+    return f"{prefix}-{named}", fresh
 
 
 def _request_failed(request_id: str) -> ApiError:
@@ -194,13 +196,15 @@ class OpenAIServing:
             # race with the event loop's decodes ("Already borrowed") if it first happened in the thread.
             self.tokenizer.encode("warm-up")
 
-    async def _tokenizing(self, raw: Request, fn: Callable, *args):
+    async def _tokenizing(self, raw: Request, req: GenerationRequest | PoolingRequest | TokenizeRequest,
+                          fn: Callable, *args):
         """fn(*args), which tokenizes (or renders a chat template), where it cannot stall the streams in flight:
         in the tokenizer thread for a large body (the tokenizer releases the GIL: 2 MB of text took ~1.5 s on a
         CPU core, during which every stream stood still), on the event loop for a small body (a few ms at most;
         handing every request to the thread cost ~0.5 ms of median time to first token at 16 req/s on an H200
-        host, the thread waiting for the GIL while the loop streams)."""
-        if raw.state.body_size <= _OFF_LOOP_BODY_BYTES:
+        host, the thread waiting for the GIL while the loop streams). A request with its own chat template goes to
+        the thread however small: the template may write megabytes."""
+        if raw.state.body_size <= _OFF_LOOP_BODY_BYTES and getattr(req, "chat_template", None) is None:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, functools.partial(fn, *args))
 
@@ -382,7 +386,7 @@ class OpenAIServing:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", "prompt")
-        token_ids = await self._tokenizing(raw, self._token_ids, req)
+        token_ids = await self._tokenizing(raw, req, self._token_ids, req)
         limit = self.client.limits.max_tokens_per_request  # the context, or the KV cache when it holds less
         return {"count": len(token_ids), "max_model_len": limit, "tokens": token_ids}
 
@@ -435,7 +439,7 @@ class OpenAIServing:
 
         try:
             await self._checked(getattr(params, "structured_outputs", None))
-            prompts, admitted = await self._tokenizing(raw, admit)
+            prompts, admitted = await self._tokenizing(raw, req, admit)
             if not (self.accepting or beam_step):  # the drain began while the prompt was tokenized
                 raise ApiError(503, "the server is shutting down")
             if self.log_prompts:
@@ -479,7 +483,7 @@ class OpenAIServing:
                           ) -> tuple[list[list[int]], list[BeamSearch] | None]:
         """The prompts' token ids and their searches run to the end (None if the client went away)."""
         try:  # the bounds a request's sampling would meet: the context, and the server's output tokens
-            prompts = await self._tokenizing(raw, lambda: [self.client.input_processor.tokenize(p)
+            prompts = await self._tokenizing(raw, req, lambda: [self.client.input_processor.tokenize(p)
                                                            for p in make_prompts()])
             longest = max(map(len, prompts))
             params = req.beam_search_params(self.client.input_processor.check_length(longest, max_tokens),
