@@ -42,7 +42,7 @@ def measure(args) -> dict:
 
     from nanoinfer import LLM, SamplingParams
     from nanoinfer.model_runner.output import RunnerFuture
-    from nanoinfer.outputs import RequestOutputKind
+    from nanoinfer.sampling_params import RequestOutputKind
 
     torch.set_num_threads(1)  # the device work stays small and out of the host phases' way
     llm = LLM(**engine_kwargs(args))

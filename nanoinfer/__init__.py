@@ -4,9 +4,9 @@ from nanoinfer.config import EngineConfig
 from nanoinfer.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from nanoinfer.engine.llm import LLM
 from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                               RequestOutputKind, ScoringOutput, ScoringRequestOutput)
+                               ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams
-from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "EngineConfig", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",

@@ -3,16 +3,7 @@ deltas, and the user-facing results of `LLM.generate`."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-
-
-class RequestOutputKind(enum.Enum):
-    """What each RequestOutput of a request holds (vLLM's names)."""
-
-    CUMULATIVE = "cumulative"  # everything so far
-    DELTA = "delta"  # only what is new since the request's previous output
-    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import enum
 from dataclasses import dataclass
-
-from nanoinfer.outputs import RequestOutputKind
 
 # Below this temperature a request is greedy (argmax); dividing logits by a
 # tiny temperature would only overflow.
@@ -98,6 +97,14 @@ def _schema_text(schema: object) -> str:
 
 
 _GRAMMAR_FIELDS = ("json", "regex", "choice", "grammar")  # StructuredOutputsParams' fields besides json_object
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    CUMULATIVE = "cumulative"  # everything so far
+    DELTA = "delta"  # only what is new since the request's previous output
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass

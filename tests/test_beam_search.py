@@ -111,7 +111,7 @@ def test_a_prompts_cache_salt_holds_for_every_step(llm, monkeypatch):
     llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant"}], BeamSearchParams(beam_width=2, max_tokens=1))
     assert kv.prefix_hits == before  # the unsalted warm prefix is another tenant's
     salts, add_request = [], llm.engine.add_request
-    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kwargs: (salts.append(args[4]),
+    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kwargs: (salts.append(args[1]["cache_salt"]),
                                                                             add_request(*args, **kwargs))[1])
     llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant"}, prompt],
                     BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))

@@ -411,7 +411,7 @@ def test_smollm2_prompt_logprobs_match_transformers(smol: LLM, smollm2_path: str
 def test_prompt_logprobs_survive_chunks_cached_prefixes_preemption_and_n(tiny_models) -> None:
     """Each prompt position once, whatever computes it: prefill cut into chunks, a prompt whose blocks are cached
     (a prompt_logprobs request reads none of them, so every position is computed), recompute after preemption, n."""
-    from nanoinfer.outputs import RequestOutputKind
+    from nanoinfer.sampling_params import RequestOutputKind
 
     path = tiny_models["llama"]
     prompts = _tiny_prompts()

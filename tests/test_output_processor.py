@@ -3,7 +3,8 @@
 from transformers import AutoTokenizer
 
 from nanoinfer.engine.output_processor import OutputProcessor
-from nanoinfer.outputs import EngineCoreOutput, RequestOutputKind
+from nanoinfer.outputs import EngineCoreOutput
+from nanoinfer.sampling_params import RequestOutputKind
 from nanoinfer.sampling_params import SamplingParams
 
 

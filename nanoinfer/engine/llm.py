@@ -18,10 +18,9 @@ from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearc
 from nanoinfer.engine.core import defer_full_collections
 from nanoinfer.engine.input_processor import Prompt, unpack_prompt
 from nanoinfer.engine.llm_engine import LLMEngine
-from nanoinfer.outputs import (EmbeddingRequestOutput, RequestOutput, RequestOutputKind, ScoringOutput,
-                               ScoringRequestOutput)
+from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from nanoinfer.pooling_params import PoolingParams, pair_scores, score_pairs
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
 _collecting = False  # a garbage collection is running: finalizers run, wherever the code that allocated was

@@ -14,10 +14,10 @@ from nanoinfer.engine.core import EngineCore
 from nanoinfer.engine.input_processor import InputProcessor, Prompt
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
-from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
+from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.request import RequestStatus
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 def load_tokenizer(path: str | None):

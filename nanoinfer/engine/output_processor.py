@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from nanoinfer.engine.detokenizer import IncrementalDetokenizer
 from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, EngineCoreOutput, Logprob,
-                               RequestOutput, RequestOutputKind, TokenLogprobs)
+                               RequestOutput, TokenLogprobs)
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("nanoinfer")
 

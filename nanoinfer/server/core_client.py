@@ -22,10 +22,10 @@ from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.input_processor import Admitted, EngineLimits, InputProcessor
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
-from nanoinfer.outputs import RequestOutput, RequestOutputKind
+from nanoinfer.outputs import RequestOutput
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.request import RequestStatus
-from nanoinfer.sampling_params import SamplingParams
+from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 from nanoinfer.server.core_process import run_engine_core
 from nanoinfer.server.metrics import ServerMetrics
 from nanoinfer.server.wire import MessageType, decode_outputs, encode_request, pack, unpack
