@@ -131,4 +131,5 @@ class ScoringRequestOutput:
 
     request_id: str
     outputs: ScoringOutput
+    prompt_token_ids: list[int] = field(default_factory=list)  # the pair's two prompts, one after the other
     finished: bool = True

@@ -48,6 +48,7 @@ class PoolerConfig:
     pooling_type: str = "LAST"
     normalize: bool = True
     matryoshka: bool = False  # its vectors may be cut to fewer dimensions
+    matryoshka_dimensions: tuple[int, ...] | None = None  # ... to these only, where the model names them
 
     @classmethod
     def resolve(cls, model_dir: str | None, hf_config, override: dict | None) -> PoolerConfig:
@@ -77,9 +78,9 @@ class PoolerConfig:
             raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {pooling_type!r:.40}")
         if not isinstance(normalize, bool):
             raise TypeError(f"pooler_config normalize must be a bool, got {normalize!r:.40}")
-        matryoshka = bool(getattr(hf_config, "is_matryoshka", False)
-                          or getattr(hf_config, "matryoshka_dimensions", None))
-        return cls(pooling_type, normalize, matryoshka)
+        dimensions = getattr(hf_config, "matryoshka_dimensions", None)
+        matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or dimensions)
+        return cls(pooling_type, normalize, matryoshka, tuple(dimensions) if dimensions else None)
 
     def check(self, params: PoolingParams, hidden_size: int) -> None:
         """A request's `dimensions` this model can give (ValueError otherwise), checked at admission."""
@@ -90,6 +91,9 @@ class PoolerConfig:
                              "a shortened vector would be a poor embedding)")
         if params.dimensions > hidden_size:
             raise ValueError(f"dimensions ({params.dimensions}) is more than the model's {hidden_size}")
+        if self.matryoshka_dimensions and params.dimensions not in self.matryoshka_dimensions:  # as vLLM's
+            raise ValueError(f"dimensions ({params.dimensions}) is not one this model was trained to give: "
+                             f"{list(self.matryoshka_dimensions)}")
 
     def finish(self, vector: list[float], params: PoolingParams) -> list[float]:
         """The request's embedding from the pooled vector: cut to `dimensions`, then normalized if asked."""

@@ -125,6 +125,11 @@ def test_normalize_and_dimensions_per_request(embedding_model, tmp_path):
     assert short.shape == (8,) and torch.allclose(short, torch.nn.functional.normalize(full[:8], dim=0), atol=1e-5)
     with pytest.raises(ValueError, match=r"dimensions \(65\) is more than the model's 64"):
         llm.embed(PROMPTS[:1], PoolingParams(dimensions=65), use_tqdm=False)
+    # A model that names its dimensions gives those only, as vLLM's.
+    named = LLM(save_embedding_model(tmp_path / "named", matryoshka_dimensions=[8, 16]), runner="pooling", device="cpu")
+    assert embed(named, PROMPTS[:1], PoolingParams(dimensions=16))[0].shape == (16,)
+    with pytest.raises(ValueError, match=r"dimensions \(10\) is not one this model was trained to give: \[8, 16\]"):
+        named.embed(PROMPTS[:1], PoolingParams(dimensions=10), use_tqdm=False)
 
 
 def test_bad_embedding_requests_are_clear_errors(embedding_model, tiny_models):
@@ -171,6 +176,9 @@ def test_score_is_the_cosine_of_each_pairs_embeddings(embedding_model):
     assert [o.outputs.score for o in pairwise] == pytest.approx(
         [float(vectors[0] @ vectors[1]), float(vectors[1] @ vectors[2])], abs=1e-6)
     assert llm.score(PROMPTS[1], PROMPTS[1], use_tqdm=False)[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    assert [o.prompt_token_ids for o in one_to_many] == [PROMPTS[0] + PROMPTS[1], PROMPTS[0] + PROMPTS[2]]
+    cut = llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False, pooling_params=PoolingParams(truncate_prompt_tokens=2))
+    assert [o.prompt_token_ids for o in cut] == [PROMPTS[0][-2:] + PROMPTS[1][-2:], PROMPTS[0][-2:] + PROMPTS[2][-2:]]
     with pytest.raises(ValueError, match="first side of a score request has 2 texts and the second 3"):
         llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
     with pytest.raises(ValueError, match="each side of a score request needs at least one text"):  # vLLM's too

@@ -3,10 +3,13 @@ against `LLM.embed` on the same weights; the errors of both runners' endpoints."
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from nanoinfer import LLM, PoolingParams
 from test_server import launch_server, tiny_model_with_smollm2_vocab
@@ -56,6 +59,14 @@ def test_embeddings_match_offline_in_both_encodings(client, offline):
     chat = httpx.post(f"{client.base_url}embeddings", json={"messages": messages}).json()["data"][0]["embedding"]
     rendered = offline.apply_chat_template(messages, add_generation_prompt=False)
     assert np.allclose(chat, offline.embed([rendered], use_tqdm=False)[0].outputs.embedding, atol=1e-6)
+    for dtype, endianness, decoded in [("float16", "little", "<f2"), ("float32", "big", ">f4"), ("bfloat16", "big", None)]:
+        body = {"input": TEXTS[0], "encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}
+        data = base64.b64decode(httpx.post(f"{client.base_url}embeddings", json=body).json()["data"][0]["embedding"])
+        if decoded is None:  # bfloat16: a float32's upper half, rounded as torch rounds
+            bf16 = torch.tensor(expected[0]).to(torch.bfloat16).view(torch.int16).numpy().astype(">i2").tobytes()
+            assert data == bf16
+        else:
+            assert np.array_equal(np.frombuffer(data, decoded), np.asarray(expected[0], np.float32).astype(decoded))
     raw = httpx.post(f"{client.base_url}embeddings", json={"input": TEXTS[1], "normalize": False}).json()
     want = offline.embed(TEXTS[1:2], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
     assert np.allclose(raw["data"][0]["embedding"], want, atol=1e-6)
@@ -69,6 +80,7 @@ def test_embeddings_match_offline_in_both_encodings(client, offline):
     ({"input": "x", "dimensions": 8}, 400, "dimensions", "dimensions is not supported by this model"),
     ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions must be at least 1"),
     ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "'float' or 'base64'"),
+    ({"input": "x", "embed_dtype": "fp8_e4m3"}, 400, "embed_dtype", "'float32', 'float16' or 'bfloat16'"),
     ({"input": [5] * 65}, 400, "input", "prompt has 65 tokens; max_model_len allows at most 64"),
     ({"input": "x", "model": "gpt"}, 404, "model", "does not exist"),
 ])
@@ -83,7 +95,9 @@ def test_score_and_rerank_match_offline_cosines(server, offline):
     vectors = [np.array(o.outputs.embedding) for o in offline.embed([query, *documents], use_tqdm=False)]
     cosines = [float(vectors[0] @ v) for v in vectors[1:]]  # unit vectors
     for path, fields in (("/score", {"queries": query, "documents": documents}),
-                         ("/v1/score", {"text_1": query, "text_2": documents})):
+                         ("/v1/score", {"text_1": query, "text_2": documents}),
+                         ("/v1/score", {"data_1": query, "data_2": documents}),
+                         ("/score", {"queries": query, "items": documents})):
         data = httpx.post(f"{server.url}{path}", json=fields).json()["data"]
         assert [d["index"] for d in data] == [0, 1, 2] and np.allclose([d["score"] for d in data], cosines, atol=1e-6)
     order = sorted(range(3), key=lambda i: -cosines[i])
@@ -93,8 +107,10 @@ def test_score_and_rerank_match_offline_cosines(server, offline):
         assert np.allclose([r["relevance_score"] for r in reply["results"]], [cosines[i] for i in order[:2]], atol=1e-6)
         assert [r["document"]["text"] for r in reply["results"]] == [documents[i] for i in order[:2]]
         assert reply["usage"]["total_tokens"] == sum(len(offline.tokenizer.encode(t)) for t in [query, *documents])
+        every = httpx.post(f"{server.url}{path}", json={"query": query, "documents": documents, "top_n": -1}).json()
+        assert [r["index"] for r in every["results"]] == order  # top_n <= 0: all, as vLLM's
     bad = [("/score", {"queries": ["a", "b"], "documents": ["c", "d", "e"]}, "has 2 texts and the second 3"),
-           ("/score", {"queries": "a", "text_2": "b"}, "give queries and documents"),
+           ("/score", {"queries": "a", "text_2": "b"}, "give one pair of queries and documents / queries and items"),
            ("/rerank", {"query": "a", "documents": []}, "documents is empty")]
     for path, body, message in bad:
         response = httpx.post(f"{server.url}{path}", json=body)

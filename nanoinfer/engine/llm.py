@@ -132,14 +132,19 @@ class LLM:
                             priority)
 
     def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt],
-              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """vLLM's scoring with an embedding model (runner="pooling"): the cosine similarity of each pair's
-        embeddings, pairing one `data_1` text with each of `data_2`'s, or the two lists element by element."""
+        embeddings, pairing one `data_1` text with each of `data_2`'s, or the two lists element by element;
+        `pooling_params` applies to every text (truncate_prompt_tokens, a Matryoshka model's dimensions). Each
+        output's `prompt_token_ids` are its pair's two prompts, one after the other."""
         side_1, side_2 = _prompt_list(data_1), _prompt_list(data_2)
-        score_pairs(len(side_1), len(side_2))  # they pair up (ValueError otherwise) before anything runs
-        vectors = [o.outputs.embedding for o in self.embed(side_1 + side_2, use_tqdm=use_tqdm)]
-        return [ScoringRequestOutput(str(i), ScoringOutput(score))
-                for i, score in enumerate(pair_scores(vectors[: len(side_1)], vectors[len(side_1):]))]
+        pairs = score_pairs(len(side_1), len(side_2))  # they pair up (ValueError otherwise) before anything runs
+        outputs = self.embed(side_1 + side_2, pooling_params, use_tqdm=use_tqdm)
+        scores = pair_scores([o.outputs.embedding for o in outputs[: len(side_1)]],
+                             [o.outputs.embedding for o in outputs[len(side_1):]])
+        return [ScoringRequestOutput(str(k), ScoringOutput(score), outputs[i].prompt_token_ids
+                                     + outputs[len(side_1) + j].prompt_token_ids)
+                for k, ((i, j), score) in enumerate(zip(pairs, scores))]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

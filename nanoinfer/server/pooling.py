@@ -34,7 +34,8 @@ class PoolingServing:
             return Response(status_code=499)
         return JSONResponse(self._pooled_base(response_id, req.model, outputs) | {
             "object": "list", "data": [{"object": "embedding", "index": i,
-                                        "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format)}
+                                        "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format,
+                                                                      req.embed_dtype, req.endianness)}
                                        for i, o in enumerate(outputs)]})
 
     async def create_score(self, req: ScoreRequest, raw: Request) -> Response:
@@ -67,7 +68,7 @@ class PoolingServing:
                           | ({"document": {"text": req.documents[i]}} if req.return_documents else {})
                           for i, o in enumerate(outputs[1:])), key=lambda r: -r["relevance_score"])
         return JSONResponse(self._pooled_base(response_id, req.model, outputs)
-                            | {"results": results[: req.top_n or None]})
+                            | {"results": results[: req.top_n if req.top_n and req.top_n > 0 else None]})
 
     async def _pool(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]], params: PoolingParams,
                     req: PoolingRequest, renames: dict[str, str],
@@ -89,9 +90,17 @@ class PoolingServing:
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
-def _encode_embedding(vector: list[float], encoding_format: str) -> list[float] | str:
-    """OpenAI's two forms: the numbers, or their little-endian float32 bytes in base64 (what the openai client
-    asks for by default, and decodes with numpy)."""
+def _encode_embedding(vector: list[float], encoding_format: str, embed_dtype: str, endianness: str
+                      ) -> list[float] | str:
+    """OpenAI's two forms: the numbers, or their bytes in base64 (the openai client asks for that by default and
+    decodes native float32 with numpy); vLLM's embed_dtype and endianness choose the bytes."""
     if encoding_format == "float":
         return vector
-    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+    values = np.asarray(vector, dtype=np.float32)
+    if embed_dtype == "bfloat16":  # a float32's upper half, rounded to the nearest even (as torch converts)
+        bits = values.view(np.uint32)
+        values = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    elif embed_dtype == "float16":
+        values = values.astype(np.float16)
+    order = {"native": "=", "little": "<", "big": ">"}[endianness]
+    return base64.b64encode(values.astype(values.dtype.newbyteorder(order)).tobytes()).decode()

@@ -420,6 +420,8 @@ class EmbeddingRequest(PoolingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # vLLM's: base64's element type
+    endianness: Literal["native", "little", "big"] = "native"  # vLLM's: base64's byte order
     dimensions: int | None = None
     user: str | None = None
     normalize: bool | None = None
@@ -439,15 +441,24 @@ class ScoreRequest(PoolingRequest):
 
     queries: Any = None
     documents: Any = None
+    items: Any = None
+    data_1: Any = None
+    data_2: Any = None
     text_1: Any = None
     text_2: Any = None
 
     def sides(self) -> tuple[list[str | list[int]], list[str | list[int]]]:
-        given = [name for name in ("queries", "documents", "text_1", "text_2") if getattr(self, name) is not None]
-        if given not in (["queries", "documents"], ["text_1", "text_2"]):
-            raise ApiError(400, f"give queries and documents (or text_1 and text_2), got {given}", None)
+        """The two sides, by any of the names vLLM's /score has taken."""
+        given = tuple(name for name in ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2")
+                      if getattr(self, name) is not None)
+        if given not in _SCORE_SIDES:
+            raise ApiError(400, f"give one pair of {' / '.join(' and '.join(pair) for pair in _SCORE_SIDES)}, got "
+                                f"{list(given)}", None)
         first, second = given
         return _prompt_list(getattr(self, first), first), _prompt_list(getattr(self, second), second)
+
+
+_SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 
 
 class RerankRequest(PoolingRequest):
@@ -455,14 +466,12 @@ class RerankRequest(PoolingRequest):
 
     query: str
     documents: list[str]
-    top_n: int | None = None  # the best n (None or 0: all)
+    top_n: int | None = None  # the best n (None or <= 0: all, as vLLM's)
     return_documents: bool = True
 
     def prompts(self) -> list[str]:
         if not self.documents:
             raise ApiError(400, "documents is empty", "documents")
-        if self.top_n is not None and self.top_n < 0:
-            raise ApiError(400, f"top_n must be at least 0, got {self.top_n}", "top_n")
         return [self.query, *self.documents]
 
 
