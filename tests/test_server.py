@@ -312,6 +312,18 @@ def test_streaming_equals_non_streaming(client):
     counts = [c.usage.completion_tokens for c in continuous]  # vLLM's option: the usage so far in every chunk
     assert counts == sorted(counts) and counts[-1] == 20 and counts[0] < 20
     assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in continuous)
+    # As vLLM's: stream_options given at all asks for usage; a chunk's continuous usage is its own choice's.
+    for options in ({}, {"continuous_usage_stats": True}):
+        assert list(client.completions.create(**kw, stream=True, stream_options=options))[-1].usage.completion_tokens == 20
+    two = dict(kw, prompt=["Once upon a time", "Hi"], n=2, max_tokens=3)
+    chunks = list(client.completions.create(**two, stream=True, stream_options={"continuous_usage_stats": True}))
+    seen: dict[int, int] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        seen[choice.index] = seen.get(choice.index, 0) + 1
+        assert chunk.usage.completion_tokens == seen[choice.index]  # one token per chunk here, counted per choice
+        assert chunk.usage.prompt_tokens == (full.usage.prompt_tokens if choice.index < 2 else 1)
+    assert seen == {0: 3, 1: 3, 2: 3, 3: 3} and chunks[-1].usage.completion_tokens == 12
 
 
 def test_prompt_forms_and_echo(client, offline):
@@ -830,6 +842,8 @@ BAD_REQUESTS = [  # (path, JSON body or raw bytes, status, param)
     ("/v1/chat/completions", {"messages": CHAT, "n": 8}, 400, "max_tokens"),  # unset: the rest of the context
     ("/v1/completions", {"prompt": "hi", "n": 8, "max_tokens": None}, 400, "max_tokens"),  # null: the same
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "return_token_ids": True}, 400, "return_token_ids"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True, "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "hi", "top_k": 2**70}, 400, "top_k"),  # past 64 bits: named, as every int

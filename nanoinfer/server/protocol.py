@@ -50,8 +50,9 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+    # As vLLM's: stream_options given at all asks for usage unless include_usage is false.
+    include_usage: bool = True
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage
 
 
 _GUIDED_FIELDS = ("json", "regex", "choice", "grammar")  # guided_<name>: vLLM's older structured_outputs fields
@@ -110,6 +111,8 @@ class GenerationRequest(_Body):
     guided_grammar: str | None = None
     use_beam_search: bool = False  # vLLM's: n beams (beam_search_params)
     length_penalty: float = 1.0
+    return_tokens_as_token_ids: bool = False  # vLLM's; not supported (a 400 when true)
+    return_token_ids: bool = False  # vLLM's; not supported (a 400 when true)
 
     @property
     def include_usage(self) -> bool:
@@ -120,8 +123,8 @@ class GenerationRequest(_Body):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
     def check_stream_options(self) -> None:
-        if self.stream_options is not None and not self.stream:
-            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")  # ({}: fine)
         if self.prompt_logprobs is not None and self.stream:  # a chunk has no field for them
             raise ApiError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
 
@@ -130,6 +133,9 @@ class GenerationRequest(_Body):
         """`defaults`: the model's recommended values (its generation_config.json), for the fields left unset."""
         if self.length_penalty != 1.0:
             raise ApiError(400, "length_penalty applies to use_beam_search only", "length_penalty")
+        for name in ("return_tokens_as_token_ids", "return_token_ids"):  # vLLM's; refused rather than ignored
+            if getattr(self, name):
+                raise ApiError(400, f"{name} is not supported", name)
         defaults = dict(defaults or {})
         default_max_tokens = defaults.pop("max_tokens", None)
         max_tokens = default_max_tokens if max_tokens is None else max_tokens

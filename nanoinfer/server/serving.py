@@ -115,6 +115,7 @@ class _Delta:
 @dataclass
 class _Sent:
     text_len: int = 0  # characters sent so far
+    num_tokens: int = 0  # tokens counted so far
     started: bool = False
     finished: bool = False
 
@@ -139,6 +140,7 @@ class _DeltaTracker:
                 if sent.finished:
                     continue
                 self.completion_tokens += len(c.token_ids)
+                sent.num_tokens += len(c.token_ids)
                 # A chunk per new token, even while its text lags (an incomplete character, a possible stop
                 # string, an id the tokenizer cannot decode): as vLLM, so time to first token and between
                 # tokens mean the tokens, and a client sees each token's logprobs as it is sampled.
@@ -150,6 +152,12 @@ class _DeltaTracker:
 
     def usage(self) -> dict:
         return _usage_counts(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
+
+    def choice_usage(self, delta: _Delta) -> dict:
+        """vLLM's continuous_usage_stats: a chunk's usage is its own choice's, its prompt and its tokens so far."""
+        request_id = delta.output.request_id
+        return _usage_counts(self.prompt_tokens[request_id], self.sent[(request_id, delta.completion.index)].num_tokens,
+                             self.cached_tokens[request_id])
 
 
 class EventStreamResponse(StreamingResponse):
@@ -557,8 +565,8 @@ class OpenAIServing:
     async def _events(self, stream: OutputStream, n: int, base: dict, render: Callable[[_Delta], dict],
                       req: GenerationRequest, reshape: Callable[[RequestOutput], RequestOutput] | None
                       ) -> AsyncIterator[str]:
-        """The chunks of a stream; with include_usage each carries `"usage": null` (continuous_usage_stats: the
-        usage so far) and a last chunk without choices the whole usage."""
+        """The chunks of a stream; with include_usage each carries `"usage": null` (continuous_usage_stats: its
+        choice's usage so far) and a last chunk without choices the whole usage."""
         tracker = _DeltaTracker(stream.request_ids, n)
         try:
             async for updates in stream:
@@ -567,7 +575,8 @@ class OpenAIServing:
                 for delta in tracker.update(updates):
                     if delta.completion.finish_reason == "error":
                         raise _request_failed(base["id"])
-                    usage = {"usage": tracker.usage() if req.continuous_usage else None} if req.include_usage else {}
+                    usage = {"usage": tracker.choice_usage(delta) if req.continuous_usage else None} \
+                        if req.include_usage else {}
                     yield _event(base | {"choices": [render(delta)]} | usage)
             if req.include_usage:
                 yield _event(base | {"choices": [], "usage": tracker.usage()})
