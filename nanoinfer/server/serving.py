@@ -128,7 +128,6 @@ class _DeltaTracker:
         self.n = n
         self.sent: dict[tuple[str, int], _Sent] = {}
         self.prompt_tokens: dict[str, int] = {}
-        self.completion_tokens = 0
         self.cached_tokens: dict[str, int] = {}
 
     def update(self, updates: dict[str, RequestOutput]) -> Iterator[_Delta]:
@@ -139,7 +138,6 @@ class _DeltaTracker:
                 sent = self.sent.setdefault((request_id, c.index), _Sent())
                 if sent.finished:
                     continue
-                self.completion_tokens += len(c.token_ids)
                 sent.num_tokens += len(c.token_ids)
                 # A chunk per new token, even while its text lags (an incomplete character, a possible stop
                 # string, an id the tokenizer cannot decode): as vLLM, so time to first token and between
@@ -151,7 +149,8 @@ class _DeltaTracker:
                 sent.started, sent.finished = True, c.finish_reason is not None
 
     def usage(self) -> dict:
-        return _usage_counts(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
+        return _usage_counts(sum(self.prompt_tokens.values()), sum(s.num_tokens for s in self.sent.values()),
+                             sum(self.cached_tokens.values()))
 
     def choice_usage(self, delta: _Delta) -> dict:
         """vLLM's continuous_usage_stats: a chunk's usage is its own choice's, its prompt and its tokens so far."""
