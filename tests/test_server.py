@@ -314,7 +314,8 @@ def test_streaming_equals_non_streaming(client):
     assert all(c.usage.prompt_tokens == full.usage.prompt_tokens for c in continuous)
     # As vLLM's: stream_options given at all asks for usage; a chunk's continuous usage is its own choice's.
     for options in ({}, {"continuous_usage_stats": True}):
-        assert list(client.completions.create(**kw, stream=True, stream_options=options))[-1].usage.completion_tokens == 20
+        last = list(client.completions.create(**kw, stream=True, stream_options=options))[-1]
+        assert last.usage.completion_tokens == 20
     two = dict(kw, prompt=["Once upon a time", "Hi"], n=2, max_tokens=3)
     chunks = list(client.completions.create(**two, stream=True, stream_options={"continuous_usage_stats": True}))
     seen: dict[int, int] = {}

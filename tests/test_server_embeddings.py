@@ -59,7 +59,8 @@ def test_embeddings_match_offline_in_both_encodings(client, offline):
     chat = httpx.post(f"{client.base_url}embeddings", json={"messages": messages}).json()["data"][0]["embedding"]
     rendered = offline.apply_chat_template(messages, add_generation_prompt=False)
     assert np.allclose(chat, offline.embed([rendered], use_tqdm=False)[0].outputs.embedding, atol=1e-6)
-    for dtype, endianness, decoded in [("float16", "little", "<f2"), ("float32", "big", ">f4"), ("bfloat16", "big", None)]:
+    for dtype, endianness, decoded in [("float16", "little", "<f2"), ("float32", "big", ">f4"),
+                                       ("bfloat16", "big", None)]:
         body = {"input": TEXTS[0], "encoding_format": "base64", "embed_dtype": dtype, "endianness": endianness}
         data = base64.b64decode(httpx.post(f"{client.base_url}embeddings", json=body).json()["data"][0]["embedding"])
         if decoded is None:  # bfloat16: a float32's upper half, rounded as torch rounds

@@ -19,7 +19,7 @@ from nanoinfer.engine.core import defer_full_collections
 from nanoinfer.engine.input_processor import Prompt, unpack_prompt
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
-from nanoinfer.pooling_params import PoolingParams, pair_scores, score_pairs
+from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, Any]
@@ -140,11 +140,11 @@ class LLM:
         side_1, side_2 = _prompt_list(data_1), _prompt_list(data_2)
         pairs = score_pairs(len(side_1), len(side_2))  # they pair up (ValueError otherwise) before anything runs
         outputs = self.embed(side_1 + side_2, pooling_params, use_tqdm=use_tqdm)
-        scores = pair_scores([o.outputs.embedding for o in outputs[: len(side_1)]],
-                             [o.outputs.embedding for o in outputs[len(side_1):]])
-        return [ScoringRequestOutput(str(k), ScoringOutput(score), outputs[i].prompt_token_ids
-                                     + outputs[len(side_1) + j].prompt_token_ids)
-                for k, ((i, j), score) in enumerate(zip(pairs, scores))]
+        first, second = outputs[: len(side_1)], outputs[len(side_1):]
+        return [ScoringRequestOutput(str(k), ScoringOutput(cosine(first[i].outputs.embedding,
+                                                                  second[j].outputs.embedding)),
+                                     first[i].prompt_token_ids + second[j].prompt_token_ids)
+                for k, (i, j) in enumerate(pairs)]
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -67,8 +67,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None) -> str:
         """Admit a request under the caller's `request_id` (returned); its outputs are as `params.output_kind`
-        says. `priority` and `cache_salt` are keywords (vLLM's fourth argument is another). In the core it gets an id of its own (the caller's plus an admission number), so that an id used
-        again after an abort never receives tokens that the earlier request's step, still in flight, sampled."""
+        says. `priority` and `cache_salt` are keywords (vLLM's fourth argument is another). In the core it gets an
+        id of its own (the caller's plus an admission number), so that an id used again after an abort never
+        receives tokens that the earlier request's step, still in flight, sampled."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.output_processor.parents:
