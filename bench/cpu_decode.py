@@ -51,7 +51,7 @@ def main() -> None:
     if args.kv_cache_memory_bytes is None:
         args.kv_cache_memory_bytes = 256 << 20
     llm = LLM(**engine_kwargs(args))
-    model_path = llm.engine.core.source.model_path
+    model_path = llm.llm_engine.core.source.model_path
     figures = {}
     for batch in args.batch_sizes:
         figures[f"batch{batch}"] = {"nanoinfer_tok_per_s": round(ours(llm, batch, args.output_len), 1),

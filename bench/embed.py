@@ -28,7 +28,7 @@ def run_nanoinfer(args) -> dict:
         start = time.perf_counter()
         outputs = llm.embed(prompts, use_tqdm=False)
         runs.append(time.perf_counter() - start)
-    assert len(outputs) == len(prompts) and all(len(o.outputs.embedding) == llm.engine.core.source.hf_config.hidden_size
+    assert len(outputs) == len(prompts) and all(len(o.outputs.embedding) == llm.llm_engine.core.source.hf_config.hidden_size
                                                 for o in outputs)
     llm.close()
     tokens = sum(map(len, prompts))

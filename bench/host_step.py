@@ -46,7 +46,7 @@ def measure(args) -> dict:
 
     torch.set_num_threads(1)  # the device work stays small and out of the host phases' way
     llm = LLM(**engine_kwargs(args))
-    engine = llm.engine
+    engine = llm.llm_engine
     seed(0)
     for i in range(args.num_seqs):
         prompt = [randint(2, 2000) for _ in range(randint(100, 1024))]

@@ -22,7 +22,7 @@ def main() -> None:
     from nanoinfer import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
-    engine = llm.engine
+    engine = llm.llm_engine
     seed(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     ttfts, tpots = [], []

@@ -125,7 +125,7 @@ def main() -> None:
     args = p.parse_args()
     from nanoinfer import LLM, SamplingParams
 
-    engine = LLM(**engine_kwargs(args)).engine
+    engine = LLM(**engine_kwargs(args)).llm_engine
     max_tokens = 10_000 if args.max_model_len is None else args.max_model_len - args.context - 1
     params = SamplingParams(temperature=0.6, max_tokens=max_tokens, ignore_eos=True)
     if args.workload:

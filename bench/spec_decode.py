@@ -50,7 +50,7 @@ def run(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], floa
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     ids = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
     llm.generate(ids[:1], params, use_tqdm=False)  # warm-up
-    engine, tokens, tpots = llm.engine, [], []
+    engine, tokens, tpots = llm.llm_engine, [], []
     for i, prompt in enumerate(ids):
         engine.add_request(f"alone{i}", prompt, params)
         first = out = None
@@ -86,9 +86,9 @@ def main() -> None:
     for label, extra in (("plain", {}), ("ngram", {"speculative_config": spec})):
         llm = LLM(**kwargs, **extra)
         for kind, prompts in (("copying", COPYING), ("open", OPEN)):
-            before = llm.engine.core.stats()
+            before = llm.llm_engine.core.stats()
             tokens[label, kind], tpot, batch = run(llm, prompts, args.max_tokens)
-            after = llm.engine.core.stats()
+            after = llm.llm_engine.core.stats()
             figures[f"{label}_{kind}_tpot_ms"] = round(tpot * 1e3, 3)
             figures[f"{label}_{kind}_batch_tok_s"] = round(batch, 1)
             drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens

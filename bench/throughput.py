@@ -50,13 +50,13 @@ def run_nanoinfer(args) -> dict:
 
     llm = LLM(**engine_kwargs(args))
     prompts, params = workload(args.num_seqs, args.sampling)
-    warm_up(llm.engine)
+    warm_up(llm.llm_engine)
     runs = []
     for i in range(args.repeat):
         if i and not llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: a request still holds blocks")
         runs.append(timed_run(llm, prompts, params, args))
-    core = llm.engine.core
+    core = llm.llm_engine.core
     figures = {"engine": "nanoinfer", "num_seqs": args.num_seqs, **runs[0], "kv_blocks": core.num_blocks,
                "preemptions": core.scheduler.num_preemptions}
     if len(runs) > 1:
@@ -67,13 +67,13 @@ def run_nanoinfer(args) -> dict:
 
 
 def timed_run(llm, prompts, params, args) -> dict:
-    steps = _time_steps(llm.engine.core) if args.step_stats else None
+    steps = _time_steps(llm.llm_engine.core) if args.step_stats else None
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"output_tokens": tokens, "seconds": round(elapsed, 3), "output_tok_per_s": round(tokens / elapsed, 1),
-            **({"steps": _summarise(steps, llm.engine.core)} if steps is not None else {})}
+            **({"steps": _summarise(steps, llm.llm_engine.core)} if steps is not None else {})}
 
 
 def _time_steps(core) -> dict:

@@ -108,9 +108,9 @@ def sampling_params(args: argparse.Namespace, model_defaults: dict):
 def _fit_to_context(llm, params, args: argparse.Namespace, prompt: list[int]):
     """The CLI's own default max_tokens, cut to what the context leaves after `prompt` (a model of a short context
     or a long chat). A count the user or the model's generation_config.json gave is kept: its error says why."""
-    if args.max_tokens is not None or "max_tokens" in llm.engine.default_sampling:
+    if args.max_tokens is not None or "max_tokens" in llm.llm_engine.default_sampling:
         return params
-    room = llm.engine.input_processor.check_length(len(prompt), None)  # (a prompt that fills the context: an error)
+    room = llm.llm_engine.input_processor.check_length(len(prompt), None)  # (a prompt that fills the context: an error)
     return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
 
@@ -123,9 +123,9 @@ def _build_llm(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
-    params = sampling_params(args, llm.engine.default_sampling)
+    params = sampling_params(args, llm.llm_engine.default_sampling)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat \
-        else llm.engine.input_processor.tokenize(args.prompt)  # token ids: counted once, for `_fit_to_context`
+        else llm.llm_engine.input_processor.tokenize(args.prompt)  # token ids: counted once, for `_fit_to_context`
     for text in llm.stream(prompt, _fit_to_context(llm, params, args, prompt)):
         print(text, end="", flush=True)
     print()
@@ -134,7 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _build_llm(args)
-    params = sampling_params(args, llm.engine.default_sampling)
+    params = sampling_params(args, llm.llm_engine.default_sampling)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("Chatting with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
     while True:

@@ -145,3 +145,6 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; valid arguments: {sorted(names)}")
         return cls(**kwargs)
+
+
+EngineArgs = EngineConfig  # vLLM's name: `LLMEngine.from_engine_args(EngineArgs(model=...))`

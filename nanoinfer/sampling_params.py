@@ -7,9 +7,10 @@ these errors travel straight back to API clients.
 
 from __future__ import annotations
 
+import copy
+import enum
 import json
 import math
-import enum
 from dataclasses import dataclass
 
 # Below this temperature a request is greedy (argmax); dividing logits by a
@@ -209,8 +210,9 @@ class SamplingParams:
         self.min_p = _check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
+        if self.seed is not None and not (type(self.seed) is int and self.seed == -1):  # -1: unseeded, as vLLM's
             _check_int("seed", self.seed)
+        self.seed = None if self.seed == -1 else self.seed
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))
             if not -2 <= value <= 2:
@@ -244,8 +246,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and _check_int(name, value) < 0:  # the engine's max_logprobs bounds it at admission
-                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+            if isinstance(value, bool):  # vLLM's reading: True is 1, False 0 (the chosen token's logprob only)
+                value = int(value)
+                setattr(self, name, value)
+            if value is not None and _check_int(name, value) < -1:  # the engine's max_logprobs bounds it at admission
+                raise ValueError(f"{name} must be >= 0, -1 (the whole vocabulary) or None, got {value}")
         keep = self.truncate_prompt_tokens
         if keep is not None and _check_int("truncate_prompt_tokens", keep) < 1 and keep != -1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, -1 (max_model_len) or None, got "
@@ -301,6 +306,10 @@ class SamplingParams:
             if not s:
                 raise ValueError(f"{name} entries must be non-empty strings")
         return list(value)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's), to change for another request without touching this one."""
+        return copy.deepcopy(self)
 
     @property
     def is_greedy(self) -> bool:

@@ -111,7 +111,7 @@ def test_text_and_whole_searches_are_checked_before_anything_runs(llm: LLM) -> N
         llm.stream([1, 2], SamplingParams())
     with pytest.raises(ValueError, match=r"prompt \(120 tokens\) \+ max_tokens \(10\) = 130 exceeds max_model_len"):
         llm.beam_search([[1] * 120], BeamSearchParams(beam_width=2, max_tokens=10))
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_a_call_max_num_waiting_could_never_queue_is_refused_whole(tiny_models) -> None:
@@ -123,7 +123,7 @@ def test_a_call_max_num_waiting_could_never_queue_is_refused_whole(tiny_models) 
     with pytest.raises(ValueError, match=r"needs 4 places in the waiting queue"):
         llm.generate([[1, 2], [3, 4]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
     assert len(llm.generate([[1, 2], [3, 4]], SamplingParams(max_tokens=2), use_tqdm=False)) == 2
-    assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.core.num_blocks
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -139,7 +139,7 @@ def test_bad_sampling_params(kwargs, match) -> None:
 
 
 def test_bad_request_does_not_disturb_others(llm: LLM) -> None:
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("good", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     with pytest.raises(ValueError):
         engine.add_request("bad", [1] * 200, SamplingParams(max_tokens=8))
@@ -156,7 +156,7 @@ def test_bad_request_does_not_disturb_others(llm: LLM) -> None:
 
 
 def test_abort_frees_blocks(llm: LLM) -> None:
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", list(range(1, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.core.scheduler.kv_cache_manager.num_free_blocks < engine.core.num_blocks
@@ -171,8 +171,8 @@ def test_generate_all_or_nothing(llm: LLM) -> None:
     """A bad prompt in a batch rejects the batch and leaves nothing behind in the engine."""
     with pytest.raises(ValueError):
         llm.generate([[1, 2], []], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.core.num_blocks
 
 
 # ----- model files and settings (a review of 2026-11-24: each of these failed deep inside, or silently) -----
@@ -252,7 +252,7 @@ def test_settings_checked_at_construction(tmp_path, tiny_models) -> None:
         LLM(tiny_models["llama"], kv_cache_memory_bytes=1)
     with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA GPU"):
         LLM(tiny_models["llama"], device="cpu", attention_backend="triton")
-    assert LLM(pathlib.Path(tiny_models["llama"]), num_kv_blocks=8).engine.config.model == tiny_models["llama"]
+    assert LLM(pathlib.Path(tiny_models["llama"]), num_kv_blocks=8).llm_engine.config.model == tiny_models["llama"]
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

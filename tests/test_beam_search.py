@@ -104,14 +104,14 @@ def test_bad_beam_search_params_are_clear_errors(llm):
 
 def test_a_prompts_cache_salt_holds_for_every_step(llm, monkeypatch):
     """A salted prompt's steps read only that tenant's cached prefix, none of another's (vLLM's isolation)."""
-    kv = llm.engine.core.scheduler.kv_cache_manager
+    kv = llm.llm_engine.core.scheduler.kv_cache_manager
     prompt = list(range(3, 43))  # more than one block
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     before = kv.prefix_hits
     llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant"}], BeamSearchParams(beam_width=2, max_tokens=1))
     assert kv.prefix_hits == before  # the unsalted warm prefix is another tenant's
-    salts, add_request = [], llm.engine.add_request
-    monkeypatch.setattr(llm.engine, "add_request", lambda *args, **kwargs: (salts.append(args[1]["cache_salt"]),
+    salts, add_request = [], llm.llm_engine.add_request
+    monkeypatch.setattr(llm.llm_engine, "add_request", lambda *args, **kwargs: (salts.append(args[1]["cache_salt"]),
                                                                             add_request(*args, **kwargs))[1])
     llm.beam_search([{"prompt_token_ids": prompt, "cache_salt": "tenant"}, prompt],
                     BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))

@@ -73,8 +73,8 @@ def test_smollm2_with_fp8_kv_cache_tracks_full_precision(smol: LLM) -> None:
     stays that of the full-precision cache for its first tokens (measured: 24, 13 and 24 of 24) and
     the first token's log-probability within 0.2 (measured: 0.06)."""
     fp8 = LLM(kv_cache_memory_bytes=SMALL_KV, kv_cache_dtype="fp8")
-    assert fp8.engine.core.runner.kv_cache.dtype == torch.float8_e4m3fn
-    assert fp8.engine.core.num_blocks == 4 * smol.engine.core.num_blocks
+    assert fp8.llm_engine.core.runner.kv_cache.dtype == torch.float8_e4m3fn
+    assert fp8.llm_engine.core.num_blocks == 4 * smol.llm_engine.core.num_blocks
     full = [o.outputs[0] for o in smol.generate(PROMPTS, greedy(logprobs=1), use_tqdm=False)]
     ours = [o.outputs[0] for o in fp8.generate(PROMPTS, greedy(logprobs=1), use_tqdm=False)]
     for a, b in zip(full, ours):
@@ -119,7 +119,7 @@ def test_prefix_cache_hits_keep_outputs(tiny_models, tiny_reference) -> None:
     outs = llm.generate(_tiny_prompts(), greedy(32), use_tqdm=False)  # every prompt is cached now
     assert [o.outputs[0].token_ids for o in outs] == tiny_reference
     assert all(o.num_cached_tokens >= 40 for o in outs)
-    assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.prefix_hits > 0
     assert llm.reset_prefix_cache() is True  # nothing running: every cached prefix is forgotten
     outs = llm.generate(_tiny_prompts(), greedy(32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == tiny_reference
@@ -158,7 +158,7 @@ def test_preemption_keeps_outputs(tiny_models, tiny_reference) -> None:
     # 24 blocks of 4 tokens: each request needs up to 20 blocks, so six at once must preempt.
     llm = LLM(tiny_models["llama"], num_kv_blocks=24, block_size=4)
     assert _tokens(llm) == tiny_reference
-    scheduler = llm.engine.core.scheduler
+    scheduler = llm.llm_engine.core.scheduler
     assert scheduler.num_preemptions > 0
     assert scheduler.kv_cache_manager.num_free_blocks == 24
 
@@ -170,7 +170,7 @@ def test_n_samples_share_prompt_blocks(tiny_models) -> None:
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # different seeds per sample
-    assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits >= 2 * 40  # children 2 and 3 hit the prompt
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.prefix_hits >= 2 * 40  # children 2 and 3 hit the prompt
 
 
 def test_seeded_sampling_reproducible_across_batches(tiny_models) -> None:
@@ -216,8 +216,8 @@ def test_async_and_sync_scheduling_agree_under_preemption(tiny_models, tiny_refe
     llm = LLM(tiny_models["llama"], num_kv_blocks=24, block_size=4, max_num_batched_tokens=9,
               async_scheduling=async_scheduling)
     assert _tokens(llm) == tiny_reference
-    assert llm.engine.core.scheduler.num_preemptions > 0
-    assert not llm.engine.core.has_unfinished_requests()
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert not llm.llm_engine.core.has_unfinished_requests()
 
 
 def _penalised_greedy_reference(model_path: str, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
@@ -247,7 +247,7 @@ def test_penalised_greedy_matches_a_direct_computation(tiny_models, engine) -> N
     llm = LLM(tiny_models["llama"], **({"kv_cache_memory_bytes": SMALL_KV} | engine))
     ours = [o.outputs[0].token_ids for o in llm.generate(_tiny_prompts(), params, use_tqdm=False)]
     if "num_kv_blocks" in engine:
-        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
     for prompt, got in zip(_tiny_prompts(), ours):
         assert got == _penalised_greedy_reference(tiny_models["llama"], prompt, params, 16)
 
@@ -311,7 +311,7 @@ def test_output_kinds(smol: LLM) -> None:
     Both children of an n=2 request are tracked separately."""
     from nanoinfer import RequestOutputKind
 
-    engine = smol.engine
+    engine = smol.llm_engine
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=20, logprobs=2, stop=[" the"])
     seen: dict[RequestOutputKind, list] = {}
     for kind in RequestOutputKind:
@@ -373,7 +373,7 @@ def test_dropped_engines_are_freed(smollm2_path) -> None:
     frozen = gc.get_freeze_count()
     second = LLM(smollm2_path, device="cpu", kv_cache_memory_bytes=1 << 24)
     assert gc.get_freeze_count() == frozen  # not again: the first engine stays collectable
-    refs = [weakref.ref(first.engine.core), weakref.ref(second.engine.core)]
+    refs = [weakref.ref(first.llm_engine.core), weakref.ref(second.llm_engine.core)]
     del first, second
     gc.collect()
     assert [r() for r in refs] == [None, None]
@@ -430,11 +430,11 @@ def test_prompt_logprobs_survive_chunks_cached_prefixes_preemption_and_n(tiny_mo
     preempting = LLM(path, num_kv_blocks=24, block_size=4)
     for out, ids, ref in zip(preempting.generate(prompts, params, use_tqdm=False), prompts, refs):
         _check_prompt_logprobs(out.prompt_logprobs, ids, ref, 2)
-    scheduler = preempting.engine.core.scheduler
+    scheduler = preempting.llm_engine.core.scheduler
     assert scheduler.num_preemptions > 0 and scheduler.kv_cache_manager.num_free_blocks == 24
 
     # A DELTA stream carries them once, in its first output.
-    engine = chunked.engine
+    engine = chunked.llm_engine
     engine.add_request("delta", prompts[1], dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
     carried = []
     while engine.has_unfinished_requests():

@@ -67,7 +67,7 @@ def test_embeddings_equal_transformers_in_chunks(embedding_model, pooling_type):
         expected = reference(embedding_model, prompt, pooling_type)
         assert torch.allclose(vector, expected, atol=1e-5), (pooling_type, len(prompt))
         assert math.isclose(vector.norm().item(), 1.0, rel_tol=1e-5)
-    assert llm.engine.core.config.enable_prefix_caching == (pooling_type == "LAST")
+    assert llm.llm_engine.core.config.enable_prefix_caching == (pooling_type == "LAST")
 
 
 def test_last_pooling_reads_cached_prefixes_and_survives_preemption(embedding_model):
@@ -77,12 +77,12 @@ def test_last_pooling_reads_cached_prefixes_and_survives_preemption(embedding_mo
     prompts = PROMPTS + [PROMPTS[2] + [9, 8, 7]]  # shares PROMPTS[2]'s first 32 tokens
     first = embed(llm, prompts)
     again = embed(llm, prompts)
-    stats = llm.engine.core.stats()
+    stats = llm.llm_engine.core.stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
     for prompt, a, b in zip(prompts, first, again):
         expected = reference(embedding_model, prompt, "LAST")
         assert torch.allclose(a, expected, atol=1e-5) and torch.allclose(b, expected, atol=1e-5)
-    assert llm.engine.core.scheduler.kv_cache_manager.usage == 0  # every block back
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.usage == 0  # every block back
 
 
 def test_mean_pooling_survives_preemption(embedding_model):
@@ -91,7 +91,7 @@ def test_mean_pooling_survives_preemption(embedding_model):
               num_kv_blocks=4, max_model_len=48, device="cpu")
     for prompt, vector in zip(PROMPTS * 2, embed(llm, PROMPTS * 2)):
         assert torch.allclose(vector, reference(embedding_model, prompt, "MEAN"), atol=1e-5)
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
 
 
 def test_pooler_settings_come_from_sentence_transformers_files(tmp_path):

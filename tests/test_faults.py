@@ -104,7 +104,7 @@ def test_sampling_error_fails_only_that_request(llm, monkeypatch):
         assert out.outputs[0].logprobs == approx_logprobs(ref.outputs[0].logprobs)  # another batch
     failed = outputs[-1].outputs[0]
     assert failed.finish_reason == "error" and failed.token_ids == []
-    assert llm.engine.core.scheduler.kv_cache_manager.usage == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.usage == 0 and not llm.llm_engine.has_unfinished_requests()
     # ... and in another order, with logprobs on another row.
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
     outputs = llm.generate(prompts, [greedy(12, logprobs=3), poisoned, greedy(5), params[1]], use_tqdm=False)
@@ -122,7 +122,7 @@ def test_detokenizer_error_fails_only_that_request(llm, monkeypatch):
         assert outputs[i].outputs[0].text == reference[i].outputs[0].text
     assert outputs[1].outputs[0].finish_reason == "error"
     assert [c.finish_reason for c in outputs[3].outputs] == ["error", "error"]
-    assert llm.engine.core.scheduler.kv_cache_manager.usage == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.usage == 0 and not llm.llm_engine.has_unfinished_requests()
 
 
 # ----- over HTTP -----

@@ -30,8 +30,8 @@ def llm(tmp_path_factory, smollm2_path) -> LLM:
 
 
 def assert_no_leak(llm: LLM) -> None:
-    assert not llm.engine.has_unfinished_requests() and not llm._inbox and not llm._ready
-    assert llm.engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.engine.core.num_blocks
+    assert not llm.llm_engine.has_unfinished_requests() and not llm._inbox and not llm._ready
+    assert llm.llm_engine.core.scheduler.kv_cache_manager.num_free_blocks == llm.llm_engine.core.num_blocks
 
 
 def alone(llm: LLM, prompt, params: SamplingParams) -> str:
@@ -79,7 +79,7 @@ def test_a_stream_the_collector_finalizes_inside_a_step_is_aborted_after_it(llm,
     cycle = [stream, None]
     cycle[1] = cycle
     del stream, cycle
-    kv_cache_manager = llm.engine.core.scheduler.kv_cache_manager
+    kv_cache_manager = llm.llm_engine.core.scheduler.kv_cache_manager
     allocate_slots = kv_cache_manager.allocate_slots
 
     def collect_then_allocate(*args, **kwargs):
@@ -143,7 +143,7 @@ def test_detokenize_false_gives_the_same_tokens_without_text(llm):
 
 
 def test_get_tokenizer_is_the_engines(llm, tiny_models):
-    assert llm.get_tokenizer() is llm.engine.tokenizer
+    assert llm.get_tokenizer() is llm.llm_engine.tokenizer
     assert llm.get_tokenizer().decode(llm.get_tokenizer().encode(PROMPTS[0])) == PROMPTS[0]
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM(tiny_models["llama"], num_kv_blocks=16).get_tokenizer()
@@ -172,8 +172,8 @@ def test_dict_prompts_as_vllm_takes_them(llm):
 
 
 def test_text_longer_than_the_context_can_spell_is_refused_before_tokenizing(llm):
-    bound = llm.engine.input_processor.max_prompt_chars
-    assert bound == llm.engine.limits.max_model_len * max(map(len, llm.tokenizer.get_vocab()))
+    bound = llm.llm_engine.input_processor.max_prompt_chars
+    assert bound == llm.llm_engine.limits.max_model_len * max(map(len, llm.tokenizer.get_vocab()))
     with pytest.raises(ValueError, match=f"prompt is {bound + 1} characters long"):
         llm.generate(["x" * (bound + 1)], greedy(4), use_tqdm=False)
     assert_no_leak(llm)
@@ -193,8 +193,11 @@ def test_prompt_errors_name_the_problem(llm, prompt, error, match):
     ("hi", TypeError, "for plain text use generate"),
     (["hi"], TypeError, "a conversation must be a non-empty list"),
     ([[]], TypeError, "a conversation must be a non-empty list"),
-    ([{"role": "user"}], ValueError, "message 0 needs a string 'content'"),
-    ([{"role": "user", "content": None}], ValueError, "message 0 needs a string 'content'"),
+    ([{"role": "user"}], ValueError, "message 0 needs a 'content': a string or a list of text parts"),
+    ([{"role": "user", "content": None}], ValueError, "message 0 needs a 'content'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], ValueError,
+     "content parts must be text"),
+    ([{"role": "user", "content": [{"type": "text"}]}], ValueError, "content parts must be text"),
     ([{"role": "user", "content": "hi"}, {"content": "x"}], ValueError, "message 1 needs a string 'role'"),
     ([{"role": "user", "content": "hi"}, "x"], TypeError, "message 1 must be a dict"),
 ])
@@ -241,7 +244,7 @@ def test_child_seeds_wrap_around_the_seed_range(llm):
 def test_add_request_checks_its_arguments(llm, kwargs, error, match):
     kwargs = {"request_id": "x", "prompt": [1, 2, 3], "params": greedy(4)} | kwargs
     with pytest.raises(error, match=match):
-        llm.engine.add_request(**kwargs)
+        llm.llm_engine.add_request(**kwargs)
     assert_no_leak(llm)
 
 
@@ -259,7 +262,7 @@ def test_the_engine_api_as_vllms(llm):
     what outputs hold, abort_request takes one id or several, CompletionOutput.finished()."""
     from nanoinfer import RequestOutputKind
 
-    engine = llm.engine
+    engine = llm.llm_engine
     with pytest.raises(TypeError, match="output_kind must be a RequestOutputKind"):
         SamplingParams(output_kind="delta")
     delta = greedy(4, output_kind=RequestOutputKind.DELTA)
@@ -282,7 +285,7 @@ def test_the_engine_api_as_vllms(llm):
 
 
 def test_an_id_like_a_childs_is_its_own_request(llm):
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("a", [1, 2, 3], greedy(4, n=2))
     engine.add_request("a#0", [4, 5, 6], greedy(4))
     finals = run_all(engine)
@@ -293,7 +296,7 @@ def test_an_id_like_a_childs_is_its_own_request(llm):
 def test_an_id_reused_after_an_abort_gets_only_its_own_tokens(tiny_models):
     """With async scheduling the aborted request's last step is still in flight when the id comes back."""
     llm = LLM(tiny_models["llama"], num_kv_blocks=64, async_scheduling=True)
-    engine = llm.engine
+    engine = llm.llm_engine
     expected = llm.generate([[7, 8, 9]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
     engine.add_request("x", [1, 2, 3, 4], greedy(50))
     for _ in range(3):
@@ -309,7 +312,7 @@ def test_an_id_reused_after_an_abort_gets_only_its_own_tokens(tiny_models):
 
 def test_a_failed_step_leaves_a_dead_engine_not_a_hang(tmp_path_factory, smollm2_path, monkeypatch):
     llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, num_kv_blocks=64)
-    runner = llm.engine.core.runner
+    runner = llm.llm_engine.core.runner
     calls = itertools.count()
     execute = runner.execute_model
 
@@ -334,7 +337,7 @@ def test_a_closed_engine_takes_no_requests(tiny_models):
         pass  # leaving the block closes it
     with pytest.raises(EngineDeadError, match="closed"):
         llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_sampling_params_copy_is_independent(llm):
@@ -360,12 +363,12 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
     assert text.prompt_token_ids == ids[-3:] and text.prompt == llm.tokenizer.decode(ids[-3:])
     whole = llm.generate(ids, dataclasses.replace(greedy, truncate_prompt_tokens=len(ids) + 5), use_tqdm=False)[0]
     assert whole.prompt_token_ids == ids  # shorter than k: kept whole
-    limit = llm.engine.limits.max_model_len
+    limit = llm.llm_engine.limits.max_model_len
     longest = llm.generate(list(range(1, limit + 40)), SamplingParams(temperature=0, max_tokens=1,
                                                                        truncate_prompt_tokens=-1), use_tqdm=False)[0]
     assert len(longest.prompt_token_ids) == limit - 1
     # Text past the length any context could hold is tokenized whole when it is to be cut (a long document).
-    document = "x" * llm.engine.input_processor.max_prompt_chars + " the end"
+    document = "x" * llm.llm_engine.input_processor.max_prompt_chars + " the end"
     cut = llm.generate(document, SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),
                        use_tqdm=False)[0]
     assert len(cut.prompt_token_ids) == limit - 1 and cut.prompt.endswith(" the end")
@@ -404,7 +407,7 @@ def test_bad_words_are_never_generated(llm: LLM) -> None:
     rep = llm.generate("The", greedy(12, bad_words_token_ids=[twice]), use_tqdm=False)[0].outputs[0].token_ids
     assert rep[:2] == free[:2] and not any(rep[i:i + 2] == twice for i in range(len(rep) - 1))
     word = llm.tokenizer.decode([free[1]]).strip()
-    spelled = llm.engine.input_processor._bad_words_token_ids([word])
+    spelled = llm.llm_engine.input_processor._bad_words_token_ids([word])
     assert llm.tokenizer.encode(word, add_special_tokens=False) in spelled
     text = llm.generate("The", greedy(12, bad_words=[word]), use_tqdm=False)[0].outputs[0]
     assert not any(text.token_ids[i:i + len(w)] == w for w in spelled for i in range(len(text.token_ids)))
@@ -416,14 +419,14 @@ def test_generate_takes_a_priority_per_prompt(tiny_models) -> None:
     value first; a list of the wrong length is an error before anything runs."""
     llm = LLM(tiny_models["qwen3"], scheduling_policy="priority", max_num_seqs=1, device="cpu")
     admitted = []
-    schedule = llm.engine.core.scheduler.schedule
+    schedule = llm.llm_engine.core.scheduler.schedule
 
     def spy():
         out = schedule()
         admitted.extend(new.prompt_len for new in out.new_reqs)
         return out
 
-    llm.engine.core.scheduler.schedule = spy
+    llm.llm_engine.core.scheduler.schedule = spy
     prompts = [[1] * n for n in (3, 4, 5)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, priority=[2, 0, 1])
     assert admitted == [4, 5, 3] and [len(o.prompt_token_ids) for o in outs] == [3, 4, 5]
@@ -466,25 +469,43 @@ def test_chat_reports_the_rendered_prompt_and_takes_a_template(llm) -> None:
     assert_no_leak(llm)
 
 
+def test_chat_takes_text_content_parts_as_the_server_does(llm) -> None:
+    """OpenAI's content parts (text, input_text, output_text, refusal) are one text joined by newlines, offline
+    as on the server (vLLM's LLM.chat parses them the same way)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi!"}, {"type": "input_text", "text": "Bye."}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}]
+    joined = [{"role": "user", "content": "Hi!\nBye."}, {"role": "assistant", "content": "No."}]
+    assert llm.apply_chat_template(parts) == llm.apply_chat_template(joined)
+    assert llm.chat(parts, greedy(3), use_tqdm=False)[0].outputs[0].token_ids == \
+        llm.chat(joined, greedy(3), use_tqdm=False)[0].outputs[0].token_ids
+    assert_no_leak(llm)
+
+
 def test_max_logprobs_bounds_what_a_request_may_ask_for(tiny_models) -> None:
     """vLLM's max_logprobs (20 by default; -1: the vocabulary), checked at admission for logprobs and
     prompt_logprobs; a bound past the vocabulary is the vocabulary."""
     small = LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=3)
-    assert small.engine.limits.max_logprobs == 3
+    assert small.llm_engine.limits.max_logprobs == 3
     for field in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=f"{field} must be at most 3 \\(the engine's max_logprobs\\), got 4"):
             small.generate([[1, 2, 3]], SamplingParams(max_tokens=2, **{field: 4}), use_tqdm=False)
     assert_no_leak(small)
     out = small.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)[0].outputs[0]
     assert all(len(lp) >= 3 for lp in out.logprobs)
-    vocab = small.engine.limits.vocab_size
+    vocab = small.llm_engine.limits.vocab_size
     every = LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=-1)
-    assert every.engine.limits.max_logprobs == vocab == \
-        LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=10 * vocab).engine.limits.max_logprobs
+    assert every.llm_engine.limits.max_logprobs == vocab == \
+        LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=10 * vocab).llm_engine.limits.max_logprobs
     out = every.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=vocab), use_tqdm=False)[0].outputs[0]
     assert [len(lp) for lp in out.logprobs] == [vocab, vocab]  # the sampled token is among its top-vocab
     with pytest.raises(ValueError, match=f"logprobs must be at most {vocab}"):
         every.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    whole = every.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                           use_tqdm=False)[0]  # -1: the whole vocabulary, as vLLM's
+    assert [len(lp) for lp in whole.outputs[0].logprobs] == [vocab, vocab]
+    assert [len(lp) for lp in whole.prompt_logprobs[1:]] == [vocab, vocab]
+    with pytest.raises(ValueError, match=r"logprobs must be at most 3 .* \(-1: the vocabulary\)"):
+        small.generate([[1, 2, 3]], SamplingParams(max_tokens=2, logprobs=-1), use_tqdm=False)
     for bad in (-2, True, 1.5):
         with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
             LLM(tiny_models["llama"], num_kv_blocks=64, max_logprobs=bad)
@@ -499,13 +520,13 @@ def test_full_collections_wait_while_a_call_runs_and_come_back_after(tiny_models
     llm = LLM(tiny_models["llama"], num_kv_blocks=64)
     before = gc.get_threshold()
     seen = []
-    step = llm.engine.step
+    step = llm.llm_engine.step
 
     def recording_step():
         seen.append(gc.get_threshold())
         return step()
 
-    monkeypatch.setattr(llm.engine, "step", recording_step)
+    monkeypatch.setattr(llm.llm_engine, "step", recording_step)
     llm.generate([[1, 2, 3], [4, 5]], greedy(4), use_tqdm=False)
     assert seen and all(t == (before[0], before[1], 2**31 - 1) for t in seen)
     assert gc.get_threshold() == before
@@ -513,7 +534,7 @@ def test_full_collections_wait_while_a_call_runs_and_come_back_after(tiny_models
     def failing_step():
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llm.engine, "step", failing_step)
+    monkeypatch.setattr(llm.llm_engine, "step", failing_step)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)
     assert gc.get_threshold() == before

@@ -24,6 +24,23 @@ def test_normalisation():
     assert SamplingParams(stop=["a", "bc"]).stop == ["a", "bc"]
 
 
+def test_vllm_readings_of_special_values():
+    """As vLLM's SamplingParams: seed -1 is unseeded, logprobs / prompt_logprobs True is 1 and False 0 (the chosen
+    token's logprob only), -1 the whole vocabulary (resolved at admission, under the engine's max_logprobs)."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    for name in ("logprobs", "prompt_logprobs"):
+        assert [getattr(SamplingParams(**{name: v}), name) for v in (True, False, -1)] == [1, 0, -1]
+
+
+def test_clone_is_a_deep_copy():
+    p = SamplingParams(stop=["x"], logit_bias={3: 1.0})
+    q = p.clone()
+    q.stop.append("y")
+    q.logit_bias[4] = 2.0
+    assert q == SamplingParams(stop=["x", "y"], logit_bias={3: 1.0, 4: 2.0}) and p == SamplingParams(
+        stop=["x"], logit_bias={3: 1.0})
+
+
 @pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-6, True), (1e-5, False), (0.7, False)])
 def test_is_greedy(temperature, greedy):
     assert SamplingParams(temperature=temperature).is_greedy is greedy
@@ -70,10 +87,11 @@ def test_is_greedy(temperature, greedy):
         ("max_tokens", 0, ValueError),
         ("max_tokens", 3.0, TypeError),
         ("min_tokens", -1, ValueError),
-        ("logprobs", -1, ValueError),
+        ("logprobs", -2, ValueError),
         ("logprobs", 2.0, TypeError),
-        ("prompt_logprobs", -1, ValueError),
-        ("prompt_logprobs", True, TypeError),
+        ("prompt_logprobs", -2, ValueError),
+        ("prompt_logprobs", "1", TypeError),
+        ("seed", -1.0, TypeError),
         ("truncate_prompt_tokens", 0, ValueError),
         ("truncate_prompt_tokens", -2, ValueError),
         ("truncate_prompt_tokens", 1.5, TypeError),

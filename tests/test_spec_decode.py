@@ -132,7 +132,7 @@ def _run(llm: LLM, params: SamplingParams) -> list:
 ], ids=["greedy", "seeded", "stop-string"])
 def test_smollm2_output_is_unchanged_by_drafts(smol_pair, params):
     plain, spec = smol_pair
-    before = spec.engine.core.stats()
+    before = spec.llm_engine.core.stats()
     ours, reference = _run(spec, params), _run(plain, params)
     for a, b in zip(ours, reference):
         assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
@@ -140,11 +140,11 @@ def test_smollm2_output_is_unchanged_by_drafts(smol_pair, params):
             assert [list(lp) for lp in a.logprobs] == [list(lp) for lp in b.logprobs]
             assert torch.allclose(torch.tensor([lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)]),
                                   torch.tensor([lp[t].logprob for t, lp in zip(b.token_ids, b.logprobs)]), atol=1e-4)
-    after = spec.engine.core.stats()
+    after = spec.llm_engine.core.stats()
     assert after.spec_decode_num_accepted_tokens > before.spec_decode_num_accepted_tokens
     assert after.spec_decode_num_draft_tokens >= after.spec_decode_num_accepted_tokens
-    assert spec.engine.core.async_scheduling is False and plain.engine.core.async_scheduling is True
-    assert spec.engine.core.scheduler.kv_cache_manager.num_free_blocks == spec.engine.core.num_blocks
+    assert spec.llm_engine.core.async_scheduling is False and plain.llm_engine.core.async_scheduling is True
+    assert spec.llm_engine.core.scheduler.kv_cache_manager.num_free_blocks == spec.llm_engine.core.num_blocks
 
 
 @pytest.mark.parametrize("stop, min_tokens, kept", [(" ab ab", 0, 2), (" ab", 5, 6)])
@@ -163,7 +163,7 @@ def test_a_stop_string_inside_a_step_of_drafts_ends_the_output_there(tmp_path_fa
         out = llm.generate([[ab] * 12], params, use_tqdm=False)[0].outputs[0]
         assert (out.token_ids, len(out.logprobs), out.finish_reason, out.stop_reason) == (
             [ab] * kept, kept, "stop", stop)
-    assert llm.engine.core.scheduler.spec_stats.num_accepted_tokens > 0
+    assert llm.llm_engine.core.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 def test_drafts_are_not_proposed_where_the_host_decides_each_token(smol_pair):
@@ -199,7 +199,7 @@ def test_tiny_model_under_preemption_chunking_prefix_hits_and_n(tiny_models, max
         assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in plain]
         assert [[c.finish_reason for c in o.outputs] for o in ours] == \
             [[c.finish_reason for c in o.outputs] for o in plain]
-    core = spec_llm.engine.core
+    core = spec_llm.llm_engine.core
     assert core.scheduler.num_preemptions > 0 and core.scheduler.kv_cache_manager.prefix_hits > 0
     assert {c.finish_reason for o in ours for c in o.outputs} == {"stop", "length"}
     assert core.stats().spec_decode_num_accepted_tokens > 0

@@ -89,7 +89,7 @@ def test_large_batches_feed_their_matchers_in_threads(smol: LLM, monkeypatch) ->
     each matcher ends where feeding it alone leaves it."""
     import threading
 
-    compiler = smol.engine.core.runner.grammar_compiler()
+    compiler = smol.llm_engine.core.runner.grammar_compiler()
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     spec = StructuredOutputsParams(json=PERSON)
     texts = [f'{{"name": "P{i}", "age": {i}' for i in range(40)]
@@ -110,7 +110,7 @@ def test_large_batches_feed_their_matchers_in_threads(smol: LLM, monkeypatch) ->
 
 
 def test_bad_grammars_are_refused_before_the_engine(smol: LLM) -> None:
-    core = smol.engine.core
+    core = smol.llm_engine.core
     for spec, error, match in (
         (dict(json={"type": "no-such-type"}), ValueError, "json cannot be compiled"),
         (dict(regex="(unclosed"), ValueError, "regex cannot be compiled"),
@@ -136,7 +136,7 @@ def test_bad_grammars_are_refused_before_the_engine(smol: LLM) -> None:
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a"})
     assert StructuredOutputsParams(json=PERSON).json == json.dumps(PERSON)  # kept as text: flat on the wire
     assert SamplingParams(structured_outputs={"regex": "a"}).structured_outputs == StructuredOutputsParams(regex="a")
-    assert not smol.engine.has_unfinished_requests()
+    assert not smol.llm_engine.has_unfinished_requests()
     assert core.scheduler.kv_cache_manager.num_free_blocks == core.num_blocks
 
 
@@ -155,7 +155,7 @@ def test_bitmask_masks_exactly_the_cleared_bits() -> None:
 def test_a_finished_grammar_allows_only_stop_tokens(smol: LLM) -> None:
     from nanoinfer.sample.structured import GrammarCompiler
 
-    grammars = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
+    grammars = GrammarCompiler(smol.tokenizer, smol.llm_engine.limits.vocab_size)
     grammar = grammars.request_grammar(StructuredOutputsParams(choice=["yes"]), smol.tokenizer.encode("yes") +
                                        [smol.tokenizer.eos_token_id], 0)
     assert grammar.matcher.is_terminated()  # what a step planned before the request's end was seen meets (async)
@@ -174,7 +174,7 @@ def test_grammars_hold_through_preemption(smollm2_path, async_scheduling: bool) 
     want = [alone.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in prompts]
     tight = LLM(num_kv_blocks=16, block_size=4, async_scheduling=async_scheduling, max_num_batched_tokens=16)
     got = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
-    assert tight.engine.core.scheduler.num_preemptions > 0
+    assert tight.llm_engine.core.scheduler.num_preemptions > 0
     assert got == want
     assert all(re.fullmatch(r"\d{3}-\d{4}( ext\. \d{1,6})?", text) for text in got), got
 
@@ -199,7 +199,7 @@ def test_a_slow_grammar_delays_only_its_own_request(tiny_models, smollm2_path, m
 
     monkeypatch.setattr(GrammarCompiler, "compile", slow)
     llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20)
-    engine = llm.engine
+    engine = llm.llm_engine
     # Offline, admission shares the core's compiler and would wait for this compile; the server admits in its own
     # process, so what is left to show is the core's side.
     engine.input_processor.check_grammar = lambda spec: None
@@ -246,7 +246,7 @@ def test_grammar_keys_are_unambiguous(smol: LLM) -> None:
     another client's ["yes", "no"], nor the other way round."""
     bad, good = StructuredOutputsParams(choice=["yes\x00no"]), StructuredOutputsParams(choice=["yes", "no"])
     assert bad.key != good.key
-    compiler = smol.engine.core.runner.grammar_compiler()
+    compiler = smol.llm_engine.core.runner.grammar_compiler()
     with pytest.raises(ValueError, match="cannot be compiled"):
         compiler.compile_async(bad).result()
     assert compiler.compile_async(good).result() is not None
@@ -259,7 +259,7 @@ def test_a_grammar_held_by_a_request_outlives_the_cache(smol: LLM, monkeypatch) 
 
     calls = []
     monkeypatch.setattr(GrammarCompiler, "compile", lambda self, spec: calls.append(spec.regex) or object())
-    compiler = GrammarCompiler(smol.tokenizer, smol.engine.limits.vocab_size)
+    compiler = GrammarCompiler(smol.tokenizer, smol.llm_engine.limits.vocab_size)
     held = compiler.compile_async(StructuredOutputsParams(regex="held"))
     for i in range(300):
         compiler.compile_async(StructuredOutputsParams(regex=f"r{i}")).result()
@@ -283,7 +283,7 @@ def test_the_server_checks_a_slow_grammar_beside_other_work(smol: LLM) -> None:
     release = threading.Event()
     checks = GrammarCache(lambda spec: (spec.regex != "slow" or release.wait(60)) and parse_grammar(spec))
     client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_checks=lambda: checks),
-                             config=smol.engine.config, limits=smol.engine.limits)
+                             config=smol.llm_engine.config, limits=smol.llm_engine.limits)
     serving = OpenAIServing(client, ["m"])
     slow = StructuredOutputsParams(regex="slow")
 
@@ -313,7 +313,7 @@ def test_the_api_process_parses_and_the_core_fails_what_does_not_compile(smollm2
 
     llm = LLM(tiny_model_with_smollm2_vocab(tmp_path_factory), tokenizer=smollm2_path, kv_cache_memory_bytes=16 << 20)
     request.addfinalizer(llm.close)
-    engine = llm.engine
+    engine = llm.llm_engine
     with monkeypatch.context() as patch:  # the API process's input processor (no core beside it)
         patch.setattr(GrammarCompiler, "__init__", lambda *a, **k: pytest.fail("the API process compiled"))
         api = InputProcessor(llm.tokenizer, engine.limits)

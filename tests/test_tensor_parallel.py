@@ -149,17 +149,17 @@ def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduli
     """Async: workers feed each step's tokens from rank 0's broadcast before any host list has them."""
     llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, async_scheduling=async_scheduling, **PRESSURE)
     try:
-        assert llm.engine.core.async_scheduling is async_scheduling
+        assert llm.llm_engine.core.async_scheduling is async_scheduling
         tokens, logprobs, prompt_logprobs = run_tiny(llm)
         assert tokens == tiny_reference[0]
-        assert llm.engine.core.scheduler.num_preemptions > 0
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(tiny_reference[1]), atol=1e-4)
         for ours, ref in zip(prompt_logprobs, tiny_reference[2]):
             assert torch.allclose(torch.tensor(ours), torch.tensor(ref), atol=1e-4)
         again, _, _ = run_tiny(llm)  # every prompt now hits the prefix cache (on every rank's KV)
         assert again == tiny_reference[0]
-        assert llm.engine.core.scheduler.kv_cache_manager.prefix_hits > 0
-        worker = llm.engine.core.tp_driver.workers.processes[0]
+        assert llm.llm_engine.core.scheduler.kv_cache_manager.prefix_hits > 0
+        worker = llm.llm_engine.core.tp_driver.workers.processes[0]
     finally:
         llm.close()
     assert worker.exitcode == 0  # told to stop, it left its loop cleanly
@@ -173,7 +173,7 @@ def test_tp2_speculative_decoding_equals_tp1(tiny_qwen3, tiny_reference) -> None
         tokens, logprobs, _ = run_tiny(llm)
         assert tokens == tiny_reference[0]
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(tiny_reference[1]), atol=1e-4)
-        assert llm.engine.core.stats().spec_decode_num_accepted_tokens > 0
+        assert llm.llm_engine.core.stats().spec_decode_num_accepted_tokens > 0
     finally:
         llm.close()
 
@@ -192,17 +192,17 @@ def test_tp3_equals_tp1_on_smollm2() -> None:
 def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
     llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV)
     try:
-        worker = llm.engine.core.tp_driver.workers.processes[0]
-        llm.engine.add_request("r", list(range(1, 30)), greedy(400))
+        worker = llm.llm_engine.core.tp_driver.workers.processes[0]
+        llm.llm_engine.add_request("r", list(range(1, 30)), greedy(400))
         for _ in range(3):
-            llm.engine.step()
+            llm.llm_engine.step()
         os.kill(worker.pid, signal.SIGKILL)  # the next step is most likely mid-collective when it notices
         errors: list[BaseException] = []
 
         def run() -> None:
             try:
-                while llm.engine.has_unfinished_requests():
-                    llm.engine.step()
+                while llm.llm_engine.has_unfinished_requests():
+                    llm.llm_engine.step()
             except BaseException as e:
                 errors.append(e)
 
@@ -213,7 +213,7 @@ def test_killed_worker_is_a_clear_error_not_a_hang(tiny_qwen3) -> None:
         assert len(errors) == 1 and isinstance(errors[0], WorkerDiedError), errors
         assert f"tensor-parallel worker rank 1 (pid {worker.pid}) was killed by SIGKILL" in str(errors[0])
         with pytest.raises(EngineDeadError, match=r"after a step failed \(WorkerDiedError: tensor-parallel worker rank 1"):
-            llm.engine.step()
+            llm.llm_engine.step()
     finally:
         llm.close()
 
@@ -235,9 +235,9 @@ def test_waiting_for_a_step_watches_the_workers(tiny_qwen3) -> None:
     wait ends in WorkerDiedError instead of blocking in CUDA for ever."""
     llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=SMALL_KV)
     try:
-        driver = llm.engine.core.tp_driver
-        llm.engine.add_request("r", list(range(1, 30)), greedy(4))
-        llm.engine.step()
+        driver = llm.llm_engine.core.tp_driver
+        llm.llm_engine.add_request("r", list(range(1, 30)), greedy(4))
+        llm.llm_engine.step()
         wait = driver._unsent[-1].wait_for_device  # what the step's future waits with
         wait(_Event(True))  # a finished step: returns at once
         worker = driver.workers.processes[0]
@@ -268,7 +268,7 @@ def test_workers_launched_by_hand_join_through_env_rendezvous(tiny_qwen3, tiny_r
         for name, value in dict(rendezvous, RANK="0").items():
             monkeypatch.setenv(name, value)
         llm = LLM(tiny_qwen3, device="cpu", tensor_parallel_size=2, **PRESSURE)
-        assert llm.engine.core.tp_driver.workers.processes == []  # nothing spawned
+        assert llm.llm_engine.core.tp_driver.workers.processes == []  # nothing spawned
         assert run_tiny(llm)[0] == tiny_reference[0]
         del llm
         gc.collect()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.config import check_chat_template
+from nanoinfer.inputs import PromptType, content_text
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import Request
 from nanoinfer.sample.structured import GrammarCache, GrammarCompiler, parse_grammar
@@ -26,13 +27,10 @@ from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams, c
 _RENDER_ARGUMENTS = {*inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters, "messages"} - {"kwargs"}
 
 
-# A prompt: text, token ids, or vLLM's dict forms {"prompt": text} / {"prompt_token_ids": ids} (the latter may also
-# hold "prompt": the text the ids stand for, which outputs report), either with an optional "cache_salt".
-Prompt = str | list[int] | dict
 _PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
-def unpack_prompt(prompt: Prompt) -> tuple[str | list[int], str | None, str | None]:
+def unpack_prompt(prompt: PromptType) -> tuple[str | list[int], str | None, str | None]:
     """(what to tokenize: text or token ids, the text the outputs report, cache_salt) of a prompt in any form."""
     if not isinstance(prompt, Mapping):
         return prompt, prompt if isinstance(prompt, str) else None, None
@@ -163,7 +161,8 @@ class InputProcessor:
         if len(messages) > self.limits.max_model_len:
             raise ValueError(f"{len(messages)} messages cannot fit in max_model_len ({self.limits.max_model_len}) "
                              f"tokens")
-        self.check_prompt_chars(sum(len(m.get("content") or "") + sum(map(len, _call_texts(m))) for m in messages)
+        messages = [{**m, "content": content_text(m.get("content"))} for m in messages]
+        self.check_prompt_chars(sum(len(m["content"] or "") + sum(map(len, _call_texts(m))) for m in messages)
                                 + (len(json.dumps(tools)) if tools else 0))
         messages = [_template_message(m) for m in messages]
         try:
@@ -206,7 +205,7 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.limits.vocab_size})")
         return token_ids
 
-    def process(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams,
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                 priority: int = 0, cache_salt: str | None = None) -> Admitted:
         """The prompt's token ids and the request(s) to add to the core (n children when n > 1; an embedding's
         one, which computes its prompt and nothing more). With truncate_prompt_tokens the prompt keeps its last
@@ -282,9 +281,12 @@ class InputProcessor:
                 raise ValueError(f"{name} entry {bad[0]} is outside the vocabulary [0, {self.limits.vocab_size})")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
+            if value == -1:  # the whole vocabulary
+                value = self.limits.vocab_size
+                params = dataclasses.replace(params, **{name: value})
             if value is not None and value > self.limits.max_logprobs:
                 raise ValueError(f"{name} must be at most {self.limits.max_logprobs} (the engine's max_logprobs), "
-                                 f"got {value}")
+                                 f"got {value}{' (-1: the vocabulary)' if value == self.limits.vocab_size else ''}")
         if params.structured_outputs is not None:
             self.check_grammar(params.structured_outputs)
         return params

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, live_beams
 from nanoinfer.engine.core import defer_full_collections
-from nanoinfer.engine.input_processor import Prompt, unpack_prompt
+from nanoinfer.engine.input_processor import unpack_prompt
+from nanoinfer.inputs import PromptType
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
@@ -34,7 +35,7 @@ def _track_collections(phase: str, info: dict) -> None:
 gc.callbacks.append(_track_collections)
 
 
-def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     """One prompt (text, token ids or a dict) or several, as a list of prompts."""
     if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
@@ -42,8 +43,8 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _check_messages(messages: object) -> None:
-    """A conversation as chat templates expect it: a non-empty list of {"role": str, "content": str} (an assistant's
-    message may instead hold 'tool_calls' and no content)."""
+    """A conversation as chat templates expect it: a non-empty list of {"role": str, "content": str or a list of
+    OpenAI's text parts} (an assistant's message may instead hold 'tool_calls' and no content)."""
     if not isinstance(messages, list) or not messages:
         raise TypeError(f"a conversation must be a non-empty list of messages ({{'role': ..., 'content': ...}}), "
                         f"got {type(messages).__name__} {messages!r:.80}")
@@ -53,8 +54,9 @@ def _check_messages(messages: object) -> None:
         content = message.get("content")
         if not isinstance(message.get("role"), str):
             raise ValueError(f"message {i} needs a string 'role', got {message.get('role')!r:.80}")
-        if not (isinstance(content, str) or (content is None and message.get("tool_calls"))):
-            raise ValueError(f"message {i} needs a string 'content' (or None beside 'tool_calls'), got {content!r:.80}")
+        if not (isinstance(content, (str, list)) or (content is None and message.get("tool_calls"))):
+            raise ValueError(f"message {i} needs a 'content': a string or a list of text parts ({{'type': 'text', "
+                             f"'text': ...}}), or None beside 'tool_calls'; got {content!r:.80}")
 
 
 def offline_max_num_batched_tokens(device: str = "auto") -> int:
@@ -78,8 +80,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         if engine_args.get("max_num_batched_tokens") is None:
             engine_args["max_num_batched_tokens"] = offline_max_num_batched_tokens(engine_args.get("device", "auto"))
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
-        self.tokenizer = self.engine.tokenizer
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self.tokenizer = self.llm_engine.tokenizer
         self._ids = itertools.count()
         # Outputs per request of this LLM's unfinished calls: a step runs every request in the engine, so a call
         # (a generate, or an open stream) finds its outputs here wherever they were stepped.
@@ -89,13 +91,13 @@ class LLM:
 
     def close(self) -> None:
         """Stop tensor-parallel workers now (otherwise done at garbage collection or exit)."""
-        self.engine.core.close()
+        self.llm_engine.core.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (vLLM's name), so that the same prompts prefill again, as a
         benchmark's repeat needs. Possible only while no request holds blocks: returns whether it was done."""
         self._forget_abandoned()
-        return self.engine.core.scheduler.kv_cache_manager.reset_prefix_cache()
+        return self.llm_engine.core.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def __enter__(self) -> "LLM":
         return self
@@ -103,8 +105,8 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Without `sampling_params`, the model's
         defaults (`get_default_sampling_params`); `priority`: one per prompt (lower runs first), under
         scheduling_policy="priority" only: otherwise a non-zero priority is a ValueError (as vLLM's)."""
@@ -114,16 +116,14 @@ class LLM:
     def get_tokenizer(self):
         """The engine's tokenizer (a transformers tokenizer), as vLLM's: for chat templates, counting tokens or
         decoding token ids."""
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: its model folder holds none (give tokenizer=PATH)")
-        return self.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams() with the values of the model's generation_config.json (temperature, top_p,
         top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), unless generation_config='vllm'."""
-        return self.engine.default_sampling_params()
+        return self.llm_engine.default_sampling_params()
 
-    def embed(self, prompts: Prompt | Sequence[Prompt],
+    def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (`outputs.embedding`), in prompt order; the engine must be built with
@@ -131,7 +131,7 @@ class LLM:
         return self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm,
                             priority)
 
-    def score(self, data_1: Prompt | Sequence[Prompt], data_2: Prompt | Sequence[Prompt],
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
               use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """vLLM's scoring with an embedding model (runner="pooling"): the cosine similarity of each pair's
         embeddings, pairing one `data_1` text with each of `data_2`'s, or the two lists element by element;
@@ -146,13 +146,13 @@ class LLM:
                                      first[i].prompt_token_ids + second[j].prompt_token_ids)
                 for k, (i, j) in enumerate(pairs)]
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """vLLM's beam search: for each prompt, the `params.beam_width` best sequences (prompt included), best
         first. Each step runs every live beam as a one-token request (nanoinfer/engine/beam_search.py)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        engine = self.engine
+        engine = self.llm_engine
         params.check_width(engine.limits.max_logprobs)
         unpacked = [unpack_prompt(p) for p in _prompt_list(prompts)]
         prompts = [engine.input_processor.tokenize(prompt) for prompt, _, _ in unpacked]
@@ -176,7 +176,7 @@ class LLM:
             results.append(BeamSearchOutput(best))
         return results
 
-    def _submit(self, prompts: Prompt | Sequence[Prompt], params: Any, use_tqdm: bool,
+    def _submit(self, prompts: PromptType | Sequence[PromptType], params: Any, use_tqdm: bool,
                 priority: Sequence[int] | None = None) -> list:
         """Add every prompt with its params (one for all, or one each) and priority, and run them to the end, all
         or none."""
@@ -186,7 +186,7 @@ class LLM:
         if not len(params) == len(priority) == len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} params and {len(priority)} priorities")
         # All are added before any runs: a call that max_num_waiting could never queue is refused as a whole.
-        self.engine.limits.check_waiting_room(0, sum(p.n if isinstance(p, SamplingParams) else 1 for p in params))
+        self.llm_engine.limits.check_waiting_room(0, sum(p.n if isinstance(p, SamplingParams) else 1 for p in params))
         ids = [str(next(self._ids)) for _ in prompts]
         with defer_full_collections():
             try:
@@ -194,7 +194,7 @@ class LLM:
                     self._inbox[request_id] = []
                     if isinstance(p, SamplingParams):
                         p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                    self.engine.add_request(request_id, prompt, p, priority=rank)
+                    self.llm_engine.add_request(request_id, prompt, p, priority=rank)
                 return self._run(ids, use_tqdm)
             finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
                 self._forget(ids)
@@ -221,9 +221,9 @@ class LLM:
             ready = self._ready & unfinished
             if not ready:
                 self._forget_abandoned()
-                if not self.engine.has_unfinished_requests():
+                if not self.llm_engine.has_unfinished_requests():
                     raise RuntimeError(f"requests {sorted(unfinished)} were aborted outside this call")
-                for out in self.engine.step():
+                for out in self.llm_engine.step():
                     box = self._inbox.get(out.request_id)  # None: a request of the engine's own user
                     if box is not None:
                         box.append(out)
@@ -240,7 +240,7 @@ class LLM:
     def _forget(self, ids: Iterable[str]) -> None:
         """Abort what is unfinished of `ids` (their blocks go back) and drop their inbox entries."""
         for request_id in ids:
-            self.engine.abort_request(request_id)
+            self.llm_engine.abort_request(request_id)
             self._inbox.pop(request_id, None)
             self._ready.discard(request_id)
 
@@ -279,10 +279,10 @@ class LLM:
                      chat_template_kwargs: dict | None, continue_final_message: bool, chat_template: str | None
                      ) -> dict:
         _check_messages(messages)
-        return self.engine.input_processor.render_chat(messages, add_generation_prompt, continue_final_message,
+        return self.llm_engine.input_processor.render_chat(messages, add_generation_prompt, continue_final_message,
                                                        tools, chat_template_kwargs, chat_template)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (stop strings never leak). Streams may be
         read interleaved with each other and with `generate`: each gets its own request's text."""
         if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
@@ -292,19 +292,19 @@ class LLM:
             raise ValueError("stream() yields generated text; embeddings come from embed()")
         if isinstance(sampling_params, SamplingParams) and not sampling_params.detokenize:
             raise ValueError("stream() yields text, which detokenize=False leaves out; generate() returns the token ids")
-        if self.tokenizer is None and self.engine.config.runner != "pooling":  # (pooling: refused below)
+        if self.tokenizer is None and self.llm_engine.config.runner != "pooling":  # (pooling: refused below)
             raise ValueError("stream() yields text, which needs a tokenizer: this model has none (give "
                              "tokenizer=PATH); generate() returns the token ids")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()  # a pooling engine refuses it: no text to stream
         return self._stream(str(next(self._ids)), prompt, sampling_params)
 
-    def _stream(self, request_id: str, prompt: Prompt, sampling_params: SamplingParams | None) -> Iterator[str]:
+    def _stream(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None) -> Iterator[str]:
         self._inbox[request_id] = []
         try:
             if isinstance(sampling_params, SamplingParams):
                 sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(request_id, prompt, sampling_params)
+            self.llm_engine.add_request(request_id, prompt, sampling_params)
             for out in self._outputs([request_id]):
                 if out.outputs[0].text:
                     yield out.outputs[0].text

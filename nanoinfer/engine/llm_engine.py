@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineCore
-from nanoinfer.engine.input_processor import InputProcessor, Prompt
+from nanoinfer.engine.input_processor import InputProcessor
+from nanoinfer.inputs import PromptType
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput
@@ -60,11 +61,23 @@ class LLMEngine:
         self.default_sampling = source.default_sampling
         self._admissions = itertools.count()
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        """vLLM's way to build an engine: `LLMEngine.from_engine_args(EngineArgs(model=...))`."""
+        return cls(engine_args)
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (a transformers tokenizer), as vLLM's: for chat templates, counting tokens or
+        decoding token ids."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: its model folder holds none (give tokenizer=PATH)")
+        return self.tokenizer
+
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's recommended values (EngineConfig.generation_config) in place."""
         return SamplingParams(**self.default_sampling)
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | PoolingParams | None = None, *,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None, *,
                     priority: int = 0, cache_salt: str | None = None) -> str:
         """Admit a request under the caller's `request_id` (returned); its outputs are as `params.output_kind`
         says. `priority` and `cache_salt` are keywords (vLLM's fourth argument is another). In the core it gets an

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from nanoinfer.engine.beam_search import BeamSearchParams
+from nanoinfer.inputs import content_text
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.server.tool_calls import (TOOL_CALL_PARSERS, NamedToolCall, RequiredToolCalls, ToolCallExtractor,
@@ -244,18 +245,6 @@ class ContentPart(_Body):
     text: str | None = None
     refusal: str | None = None  # a "refusal" part's text (an assistant's earlier refusal)
 
-    def as_text(self) -> str:
-        """The part's text, as vLLM reads text-only parts: "text", the Responses API's "input_text" and
-        "output_text", and "refusal"."""
-        value = self.refusal if self.type == "refusal" else self.text if self.type in _TEXT_PARTS else None
-        if value is None:
-            raise ApiError(400, f"content parts must be text (type text, input_text, output_text or refusal, with "
-                                f"its text), got type {self.type!r:.40}", "messages")
-        return value
-
-
-_TEXT_PARTS = ("text", "input_text", "output_text")
-
 
 class FunctionCall(_Body):
     name: str
@@ -278,8 +267,11 @@ class ChatMessage(_Body):
     def to_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: text content only."""
         content = self.content
-        if isinstance(content, list):  # one text, the parts' joined by newlines (as vLLM joins them)
-            content = "\n".join(part.as_text() for part in content)
+        if isinstance(content, list):
+            try:
+                content = content_text([part.model_dump(exclude_none=True) for part in content])
+            except ValueError as e:
+                raise ApiError(400, str(e), "messages") from None
         message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name

@@ -188,7 +188,7 @@ def test_speculative_decoding_equals_the_reference_fp32(fp32_reference: list, mo
                                                                "prompt_lookup_min": 1})
     try:
         outs = [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False)]
-        stats = llm.engine.core.stats()
+        stats = llm.llm_engine.core.stats()
     finally:
         llm.close()
         del llm
@@ -218,7 +218,7 @@ def test_smollm2_speculative_decoding_on_the_gpu_equals_the_cpu() -> None:
                   speculative_config=spec)
         try:
             results[device] = [o.outputs[0] for o in llm.chat(chats, params, use_tqdm=False)]
-            accepted = llm.engine.core.stats().spec_decode_num_accepted_tokens
+            accepted = llm.llm_engine.core.stats().spec_decode_num_accepted_tokens
         finally:
             llm.close()
             del llm
@@ -296,8 +296,8 @@ def test_kv_cache_sized_from_memory_and_preempts_when_full() -> None:
     llm = LLM(CONFIG, load_format="dummy", max_model_len=2048, num_kv_blocks=100, max_num_seqs=64)
     outs = llm.generate([[5] * 1000] * 8, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 200 for o in outs)
-    assert llm.engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
     with pytest.raises(ValueError, match="KV cache"):
         llm.generate([[5] * 1500], SamplingParams(max_tokens=300), use_tqdm=False)  # 1800 > 1600 slots
     sized = LLM(CONFIG, load_format="dummy", max_model_len=2048, gpu_memory_utilization=0.5)
-    assert sized.engine.core.num_blocks > 1000
+    assert sized.llm_engine.core.num_blocks > 1000
