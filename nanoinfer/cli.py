@@ -33,15 +33,24 @@ def _field_type(f: dataclasses.Field) -> type:
     return hint
 
 
-def json_object(text: str) -> dict:
-    """A flag's JSON object, or an argparse error that says what is wrong with it."""
+def _json_flag(text: str, valid: typing.Callable[[object], bool], what: str) -> typing.Any:
+    """A flag's JSON value, or an argparse error that says what is wrong with it."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object ({{...}})")
+    if not valid(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
+
+
+def json_object(text: str) -> dict:
+    return _json_flag(text, lambda v: isinstance(v, dict), "a JSON object ({...})")
+
+
+def json_strings(text: str) -> list[str]:
+    return _json_flag(text, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+                      'a JSON list of strings (["...", ...])')
 
 
 class _TextRunner(argparse.Action):

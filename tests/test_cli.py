@@ -36,6 +36,8 @@ def test_json_flags_say_what_is_wrong() -> None:
         assert "loads" not in proc.stderr
         proc = run([*command, "--pooler-config", "[1]"])
         assert proc.returncode == 2 and "argument --pooler-config: '[1]' is not a JSON object" in proc.stderr
+    proc = run(["serve", "--allowed-origins", '"*"'])
+    assert proc.returncode == 2 and "argument --allowed-origins: '\"*\"' is not a JSON list of strings" in proc.stderr
 
 
 def test_generate_and_chat_refuse_the_pooling_runner(tmp_path) -> None:

@@ -566,3 +566,20 @@ def test_a_run_leaves_no_cyclic_garbage(tiny_models):
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_vllm_engine_example_runs_as_written(tiny_models) -> None:
+    """vLLM's examples/offline_inference/llm_engine_example.py, its imports changed: an engine from EngineArgs,
+    TokensPrompt / TextPrompt requests, step() until nothing is unfinished."""
+    from nanoinfer import EngineArgs, LLMEngine, TextPrompt, TokensPrompt
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_models["llama"], num_kv_blocks=64))
+    prompts = [TokensPrompt(prompt_token_ids=[1, 2, 3]), TextPrompt(prompt="Hello")] if engine.tokenizer else \
+        [TokensPrompt(prompt_token_ids=[1, 2, 3]), TokensPrompt(prompt_token_ids=[4, 5], prompt="four five")]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    assert sorted(finished) == ["0", "1"] and all(len(o.outputs[0].token_ids) == 3 for o in finished.values())
+    assert finished["1"].prompt == prompts[1]["prompt"]

@@ -177,6 +177,19 @@ def test_health_models_version(server, client):
         assert response.status_code == 404 and "--runner pooling" in response.json()["error"]["message"]
 
 
+def test_cors_as_vllm_by_default(server):
+    """Browser pages of any origin may call the server (vLLM's defaults): a preflight is answered without the key,
+    and every response, a 401 too, carries the origin header."""
+    origin = {"Origin": "https://page.example"}
+    preflight = httpx.options(f"{server.url}/v1/chat/completions", headers=origin | {
+        "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    for headers, status in ((origin | AUTH, 200), (origin, 401)):
+        response = httpx.get(f"{server.url}/v1/models", headers=headers)
+        assert response.status_code == status and response.headers["access-control-allow-origin"] == "*"
+
+
 def test_a_kv_cache_shorter_than_the_context_is_what_the_server_reports(model_path, smollm2_path, tmp_path):
     """128 tokens of KV cache under a 512-token context: a warning at start-up, and /v1/models and /tokenize
     give the length a request can really have (clients size their prompts from it)."""

@@ -27,7 +27,8 @@ def model_path(tmp_path_factory) -> str:
 def server(model_path, smollm2_path, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("embedding_server_log") / "server.log")
     srv = launch_server(log, model_path, "--tokenizer", smollm2_path, "--runner", "pooling", "--pooler-config", POOLER,
-                        "--served-model-name", "embedder", "--max-model-len", "64")
+                        "--served-model-name", "embedder", "--max-model-len", "64",
+                        "--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]')
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -125,3 +126,16 @@ def test_a_pooling_server_generates_nothing(server, client):
         client.chat.completions.create(model="embedder", messages=[{"role": "user", "content": "hi"}])
     assert httpx.get(f"{server.url}/health").status_code == 200
 
+
+
+def test_cors_takes_the_origins_and_methods_it_is_given(server):
+    """--allowed-origins / --allowed-methods (JSON lists, as vLLM's): other origins and methods get no grant."""
+    def preflight(origin: str, method: str) -> httpx.Response:
+        return httpx.options(f"{server.url}/v1/embeddings", headers={"Origin": origin,
+                                                                       "Access-Control-Request-Method": method})
+    granted = preflight("https://app.example", "POST")
+    assert granted.status_code == 200 and granted.headers["access-control-allow-origin"] == "https://app.example"
+    assert preflight("https://other.example", "POST").status_code == 400
+    assert preflight("https://app.example", "DELETE").status_code == 400
+    response = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://other.example"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -57,6 +58,11 @@ class ServeOptions:
     enable_auto_tool_choice: bool = False  # tool_choice "auto", its replies read by tool_call_parser
     tool_call_parser: str | None = None
     trust_request_chat_template: bool = False  # a request's chat_template is rendered (otherwise a 400)
+    # CORS, as vLLM's defaults: browser pages of any origin may call the server (with the API key, if one is set)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -76,6 +82,10 @@ class ServeOptions:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (the model's tool call format, "
                              f"one of {sorted(TOOL_CALL_PARSERS)})")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{name} must be a list of non-empty strings, got {value!r}")
         names = self.served_model_names
         if not names or not all(isinstance(n, str) and n.strip() for n in names) or len(set(names)) != len(names):
             raise ValueError(f"served_model_names must be distinct non-empty names, got {list(names)}")
@@ -134,6 +144,11 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
     public_paths = ("/health", "/ping") + (("/metrics",) if options.metrics_without_auth else ())
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key, public_paths=public_paths)
+    # Added last, so outermost: it answers preflight requests itself (they carry no key) and marks every
+    # response, a 401 too, as readable by the allowed origins.
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods), allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
     limit = options.max_request_body_bytes
     pooling = PoolingServing(serving)  # the embedding model's endpoints
 

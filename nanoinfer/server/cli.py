@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from nanoinfer.cli import add_engine_args, engine_kwargs
+from nanoinfer.cli import add_engine_args, engine_kwargs, json_strings
 from nanoinfer.config import EngineConfig
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
 
@@ -49,6 +49,12 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a request's own chat_template (Jinja, in a sandbox, yet a template may loop for "
                              "long: trust the clients; default: such a request is refused)")
+    for name, what in (("origins", "origins (e.g. https://example.com) whose browser pages may call the server"),
+                       ("methods", "HTTP methods those pages may use"), ("headers", "request headers they may send")):
+        parser.add_argument(f"--allowed-{name}", type=json_strings, default=["*"],
+                            help=f"CORS: the {what}, a JSON list (default: [\"*\"], all, as vLLM's)")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let those pages send cookies and HTTP authentication (default: off)")
     add_engine_args(parser, skip=("model",))
     parser.set_defaults(func=cmd_serve)
 
@@ -65,7 +71,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
         access_log=args.access_log, metrics_without_auth=args.metrics_without_auth, log_prompts=args.log_prompts,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        trust_request_chat_template=args.trust_request_chat_template)
+        trust_request_chat_template=args.trust_request_chat_template, allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials)
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
     run_server(config, options)
     return 0
