@@ -70,15 +70,16 @@ def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
         if f.name in skip:
             continue
         flag, kind = "--" + f.name.replace("_", "-"), _field_type(f)
+        flags = (flag, "-tp") if f.name == "tensor_parallel_size" else (flag,)  # vLLM's short form
         # A default of None means "unset": the help says what that does, where it matters.
         help_text = f.metadata["help"] if f.default is None else f"{f.metadata['help']} (default: {f.default})"
         text_runner = text_only and f.name == "runner"
         if text_runner:
             help_text += "; this command takes generate only (embeddings: serve --runner pooling, LLM.embed)"
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:  # a dict is given as JSON
-            group.add_argument(flag, type=json_object if kind is dict else kind, default=f.default,
+            group.add_argument(*flags, type=json_object if kind is dict else kind, default=f.default,
                                choices=f.metadata.get("choices"), help=help_text,
                                action=_TextRunner if text_runner else "store")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,19 +57,27 @@ def check_chat_template(template: object) -> str:
 
 @dataclass
 class EngineConfig:
-    model: str | None = _arg(None, "model folder (config.json + safetensors), a .gguf file, or a config.json for dummy weights; omit it for the embedded SmolLM2-135M-Instruct")
-    tokenizer: str | None = _arg(None, "tokenizer folder or .gguf file (default: the model's)")
+    model: str | None = _arg(None, "model folder (config.json + safetensors), a .gguf file, a config.json for dummy weights, or a Hugging Face Hub name (org/name: downloaded, or found in the cache offline); omit it for the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = _arg(None, "tokenizer folder, .gguf file or Hugging Face Hub name (default: the model's)")
+    revision: str | None = _arg(None, "a Hugging Face Hub model's branch, tag or commit (default: main)")
+    tokenizer_revision: str | None = _arg(None, "the same for a Hub tokenizer (default: main)")
+    download_dir: str | None = _arg(None, "where Hub models are downloaded and looked up (default: the Hugging Face "
+                                          "cache, ~/.cache/huggingface/hub; offline, HF_HUB_OFFLINE=1, only looked up)")
+    trust_remote_code: bool = _arg(False, "accepted as vLLM's: nanoinfer never runs code from a model folder (its "
+                                          "architectures are built in), so either value loads the same")
     chat_template: str | None = _arg(None, "chat template replacing the tokenizer's (for a model without one, or to change it): a Jinja file, or the template itself")
     load_format: str = _arg("auto", "how to load weights", ("auto", "safetensors", "gguf", "dummy"))
     dtype: str = _arg("auto", "weights and activations dtype (auto: float32 on CPU, the model's bf16/fp16 on GPU)", ("auto", "float32", "float16", "bfloat16", "half", "float"))
     device: str = _arg("auto", "where to run (auto: cuda if available)", ("auto", "cpu", "cuda"))
-    seed: int = _arg(0, "seed for dummy weights and unseeded sampling")
+    seed: int | None = _arg(0, "seed for dummy weights and unseeded sampling (None: a random one)")
     block_size: int = _arg(16, "tokens per KV-cache block")
     max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's max_position_embeddings)")
     max_num_batched_tokens: int | None = _arg(None, f"token budget of one step (prefill chunks + decodes); default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, and for the offline LLM (generate, chat, benchmarks) {OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU of 70 GiB or more other than an A100, as in vLLM")
     max_num_seqs: int = _arg(256, "most requests in one step")
     kv_cache_dtype: str = _arg("auto", "KV cache element type (auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn, half the bytes of bf16, values stored unscaled, saturated at +-448)", ("auto", "fp8", "fp8_e4m3"))
     enable_prefix_caching: bool = _arg(True, "share KV blocks of equal prompt prefixes")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps within the token budget: always on "
+                                              "(the scheduler has one token budget for prefills and decodes)")
     kv_cache_memory_bytes: int | None = _arg(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: sized by gpu_memory_utilization)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
     num_kv_blocks: int | None = _arg(None, "exact number of KV blocks (overrides the byte budgets; for tests)")
@@ -87,7 +96,7 @@ class EngineConfig:
     reasoning_parser: str | None = _arg(None, "a thinking model's reasoning format: structured outputs then apply after the reasoning ends (</think>), and the server returns the reasoning as the chat message's reasoning_content. qwen3: reasoning when the reply opens with <think> (Qwen3); deepseek_r1: the chat template opens <think> in the prompt (DeepSeek-R1, QwQ, Qwen3 Thinking) (default: none; all is content and a grammar applies from the first token)", tuple(REASONING_PARSERS))
 
     def __post_init__(self) -> None:
-        for name in ("model", "tokenizer", "generation_config"):  # a pathlib.Path is a path too
+        for name in ("model", "tokenizer", "generation_config", "download_dir"):  # a pathlib.Path is a path too
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 if not isinstance(value, os.PathLike):
@@ -95,9 +104,18 @@ class EngineConfig:
                 setattr(self, name, os.fspath(value))
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
-        for name in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling",
+                     "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill:
+            raise ValueError("enable_chunked_prefill=False is not supported: the scheduler gives prefill chunks and "
+                             "decodes one token budget (max_num_batched_tokens), so long prompts are always split")
+        for name in ("revision", "tokenizer_revision"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str (a branch, tag or commit), got {getattr(self, name)!r}")
+        if self.seed is None:  # vLLM's reading: nondeterministic
+            self.seed = random.SystemRandom().randrange(2**63)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.dtype, str):  # a torch.dtype, as vLLM takes it too

@@ -135,3 +135,20 @@ def test_serve_options_refuse_nonsense() -> None:
     assert proc.returncode == 2 and "served_model_names" in proc.stderr
     proc = run(["serve", "--chat-template", "{% for m in messages %}{{ m.content }", "--port", "0"])
     assert proc.returncode == 2 and "Jinja syntax error" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_vllm_serve_flags() -> None:
+    """vLLM's -tp, --disable-log-stats, --uvicorn-log-level, --trust-remote-code and CORS flags parse into the
+    engine's and the server's settings."""
+    from nanoinfer.cli import build_parser, engine_kwargs
+    from nanoinfer.server.cli import serve_options
+
+    args = build_parser().parse_args(["serve", "org/name", "-tp", "2", "--disable-log-stats", "--uvicorn-log-level",
+                                      "warning", "--trust-remote-code", "--allowed-origins", '["https://a.example"]'])
+    kwargs, options = engine_kwargs(args), serve_options(args)
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["trust_remote_code"] is True
+    assert options.log_stats_interval == 0 and options.uvicorn_log_level == "warning"
+    assert options.allowed_origins == ("https://a.example",) and options.allowed_methods == ("*",)
+    assert options.served_model_names == ("org/name",)
+    default = serve_options(build_parser().parse_args(["serve"]))
+    assert default.log_stats_interval == 5.0 and default.uvicorn_log_level == "info"

@@ -583,3 +583,47 @@ def test_vllm_engine_example_runs_as_written(tiny_models) -> None:
         finished |= {out.request_id: out for out in engine.step() if out.finished}
     assert sorted(finished) == ["0", "1"] and all(len(o.outputs[0].token_ids) == 3 for o in finished.values())
     assert finished["1"].prompt == prompts[1]["prompt"]
+
+
+def fake_hub_cache(root, repo_id: str, folder: str, commit: str = "0" * 40) -> str:
+    """A Hugging Face Hub cache holding `folder`'s files as `repo_id` at `commit` (its main branch)."""
+    import shutil
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return str(root)
+
+
+def test_hugging_face_hub_names_load_from_the_cache(tmp_path, tiny_models, smollm2_path) -> None:
+    """As vLLM takes a model name: "org/name" is the Hub repository, here found in its cache (HF_HUB_OFFLINE=1, as
+    on machines without a network); `download_dir` names the cache, `revision` a branch. A name the cache lacks is
+    an error that says both readings."""
+    cache = fake_hub_cache(tmp_path, "org/tiny", tiny_models["llama"])
+    fake_hub_cache(tmp_path, "org/tok", smollm2_path)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    local = LLM(tiny_models["llama"], tokenizer=smollm2_path, num_kv_blocks=16)
+    hub = LLM("org/tiny", tokenizer="org/tok", download_dir=cache, revision="main", num_kv_blocks=16)
+    assert hub.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids == \
+        local.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert hub.get_tokenizer().encode("Hello") == local.get_tokenizer().encode("Hello")
+    assert hub.llm_engine.core.source.model_path.startswith(cache)
+    for kwargs, match in (({"download_dir": cache, "revision": "v2"}, "org/tiny' does not exist, and as a Hugging "
+                                                                      "Face Hub repository it could not be fetched"),
+                          ({}, "could not be fetched or found in the cache")):
+        with pytest.raises(FileNotFoundError, match=match):
+            LLM("org/tiny", num_kv_blocks=16, **kwargs)
+    with pytest.raises(FileNotFoundError, match="tokenizer path '/no/tok' does not exist \\(tokenizers load from"):
+        LLM(tiny_models["llama"], tokenizer="/no/tok", num_kv_blocks=16)
+
+
+def test_vllm_engine_arguments_that_change_nothing_here_are_accepted(tiny_models) -> None:
+    """trust_remote_code (no code runs from a model folder), enable_chunked_prefill=True (always on; False is an
+    error that says why) and seed=None (a random seed, as vLLM's)."""
+    llm = LLM(tiny_models["llama"], num_kv_blocks=16, trust_remote_code=True, enable_chunked_prefill=True, seed=None)
+    assert isinstance(llm.llm_engine.config.seed, int)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False is not supported"):
+        LLM(tiny_models["llama"], num_kv_blocks=16, enable_chunked_prefill=False)
+    with pytest.raises(TypeError, match="trust_remote_code must be True or False"):
+        LLM(tiny_models["llama"], num_kv_blocks=16, trust_remote_code="yes")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 from nanoinfer.config import EngineConfig
@@ -31,6 +32,33 @@ class ModelSource:
 # generation_config.json's sampling fields, as vLLM reads them (`--generation-config auto`), and SamplingParams' names.
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+# What a model's Hugging Face Hub repository holds that the engine reads: config and generation config, safetensors
+# weights and their index, tokenizer files, chat templates, sentence-transformers settings.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+_REPO_ID = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")
+
+
+def local_path(path: str, what: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """`path` itself when it exists; otherwise a Hugging Face Hub repository id ("org/name", as vLLM takes a model
+    name) fetched into the hub's cache (`download_dir`, default ~/.cache/huggingface) or, offline
+    (HF_HUB_OFFLINE=1), found there."""
+    if os.path.exists(path):
+        return path
+    if not _REPO_ID.fullmatch(path):
+        forms = ".gguf files, a config.json with load_format='dummy'" if what == "model" else ".gguf files"
+        raise FileNotFoundError(f"{what} path {path!r} does not exist ({what}s load from local folders, {forms}, or "
+                                f"Hugging Face Hub names: org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(path, revision=revision, cache_dir=download_dir, allow_patterns=_HUB_FILES)
+    except Exception as e:  # unknown repository, no network and not in the cache, a gated model, ...
+        raise FileNotFoundError(f"{what} path {path!r} does not exist, and as a Hugging Face Hub repository it "
+                                f"could not be fetched or found in the cache ({type(e).__name__}: {e})") from None
+    logger.info("%s %s%s: %s", what, path, f"@{revision}" if revision else "", folder)
+    return folder
 
 
 def _as_folder(path: str) -> str:
@@ -92,20 +120,16 @@ def resolve_model(config: EngineConfig) -> ModelSource:
 
         model_path = default_model_path()
     else:
-        if not os.path.exists(config.model):
-            raise FileNotFoundError(f"model path {config.model!r} does not exist (models load from local folders, "
-                                    f".gguf files, or a config.json with load_format='dummy')")
-        if config.load_format == "gguf" and not config.model.lower().endswith(".gguf"):
+        model = local_path(config.model, "model", config.revision, config.download_dir)
+        if config.load_format == "gguf" and not model.lower().endswith(".gguf"):
             raise ValueError(f"load_format='gguf' needs a .gguf file, got {config.model!r}")
-        model_path = _as_folder(config.model)
+        model_path = _as_folder(model)
     hf_config = get_hf_config(model_path)
     get_model_class(hf_config)  # an unsupported architecture fails here, before anything is built
     check_model_config(hf_config)
 
-    if config.tokenizer and not os.path.exists(config.tokenizer):
-        raise FileNotFoundError(f"tokenizer path {config.tokenizer!r} does not exist (tokenizers load from local "
-                                f"folders or .gguf files)")
-    tokenizer_path = _as_folder(config.tokenizer) if config.tokenizer else None
+    tokenizer_path = _as_folder(local_path(config.tokenizer, "tokenizer", config.tokenizer_revision,
+                                           config.download_dir)) if config.tokenizer else None
     if tokenizer_path is None and _has_tokenizer(model_path):
         tokenizer_path = model_path
 

@@ -53,6 +53,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 5.0
     access_log: bool = True
+    uvicorn_log_level: str = "info"
     metrics_without_auth: bool = False
     log_prompts: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto", its replies read by tool_call_parser
@@ -332,6 +333,7 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
                                 options.trust_request_chat_template)
         app = build_app(client, serving, options)
         uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
+                                        log_level=options.uvicorn_log_level,
                                         timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")
         server = DrainingServer(uvicorn_config, lambda s: _drain(client, serving, s, options.shutdown_timeout),
                                 lambda: _abort_in_flight(client, serving))

@@ -31,6 +31,10 @@ def add_serve_parser(subparsers) -> None:
                         help="on SIGTERM, seconds in-flight requests may run before they are aborted (default: 30)")
     parser.add_argument("--log-stats-interval", type=float, default=5.0,
                         help="seconds between throughput / queue / KV-cache log lines; 0 = off (default: 5)")
+    parser.add_argument("--disable-log-stats", action="store_true", help="vLLM's: --log-stats-interval 0")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["debug", "info", "warning", "error", "critical", "trace"],
+                        help="the HTTP server's (uvicorn's) log level (default: info)")
     parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                         help="log every HTTP request (default: on)")
     parser.add_argument("--metrics-without-auth", action="store_true",
@@ -59,21 +63,29 @@ def add_serve_parser(subparsers) -> None:
     parser.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_options(args: argparse.Namespace):
+    """The server's own options (ServeOptions) from its flags."""
     from nanoinfer.loader.default_model import DEFAULT_MODEL_NAME
-    from nanoinfer.server.api_server import ServeOptions, run_server
+    from nanoinfer.server.api_server import ServeOptions
 
-    options = ServeOptions(
+    return ServeOptions(
         host=args.host, port=args.port, api_key=args.api_key,
         served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
         max_request_body_bytes=args.max_request_body_bytes,
         max_output_tokens_per_request=args.max_output_tokens_per_request,
-        shutdown_timeout=args.shutdown_timeout, log_stats_interval=args.log_stats_interval,
+        shutdown_timeout=args.shutdown_timeout, uvicorn_log_level=args.uvicorn_log_level,
+        log_stats_interval=0 if args.disable_log_stats else args.log_stats_interval,
         access_log=args.access_log, metrics_without_auth=args.metrics_without_auth, log_prompts=args.log_prompts,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template, allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nanoinfer.server.api_server import run_server
+
+    options = serve_options(args)
     config = EngineConfig.from_kwargs(model=args.model, **engine_kwargs(args, skip=("model",)))
     run_server(config, options)
     return 0
