@@ -5,14 +5,14 @@ from nanoinfer.engine.beam_search import BeamSearchOutput, BeamSearchParams, Bea
 from nanoinfer.engine.llm import LLM
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.inputs import PromptType, TextPrompt, TokensPrompt
-from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                               ScoringOutput, ScoringRequestOutput)
+from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
+                               PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
-           "RequestOutputKind", "CompletionOutput", "Logprob", "PromptType", "TextPrompt", "TokensPrompt",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput",
-           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
-           "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "PromptType", "TextPrompt",
+           "TokensPrompt", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "PoolingRequestOutput",
+           "PoolingOutput", "ScoringRequestOutput", "ScoringOutput", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "__version__"]

@@ -4,6 +4,10 @@ deltas, and the user-facing results of `LLM.generate`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -117,6 +121,21 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's pooled hidden states as a tensor (`LLM.encode`, vLLM's type)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool = True
 
 

@@ -179,10 +179,29 @@ def test_score_is_the_cosine_of_each_pairs_embeddings(embedding_model):
     assert [o.prompt_token_ids for o in one_to_many] == [PROMPTS[0] + PROMPTS[1], PROMPTS[0] + PROMPTS[2]]
     cut = llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False, pooling_params=PoolingParams(truncate_prompt_tokens=2))
     assert [o.prompt_token_ids for o in cut] == [PROMPTS[0][-2:] + PROMPTS[1][-2:], PROMPTS[0][-2:] + PROMPTS[2][-2:]]
+    assert [o.prompt_token_ids for o in llm.score(PROMPTS[0], PROMPTS[1:3], use_tqdm=False,
+                                                  truncate_prompt_tokens=2)] == [o.prompt_token_ids for o in cut]
     with pytest.raises(ValueError, match="first side of a score request has 2 texts and the second 3"):
         llm.score(PROMPTS[:2], PROMPTS[:3], use_tqdm=False)
     with pytest.raises(ValueError, match="each side of a score request needs at least one text"):  # vLLM's too
         llm.score(PROMPTS[0], [], use_tqdm=False)
+
+
+def test_embed_and_encode_take_vllms_keywords(embedding_model):
+    """vLLM's `embed(..., truncate_prompt_tokens=)` (over every pooling_params) and `encode` (the vectors as
+    tensors, `outputs.data`)."""
+    llm = LLM(embedding_model, runner="pooling", device="cpu")
+    cut = llm.embed(PROMPTS[1:3], [PoolingParams(), PoolingParams(normalize=False)], use_tqdm=False,
+                    truncate_prompt_tokens=3)
+    assert [o.prompt_token_ids for o in cut] == [PROMPTS[1][-3:], PROMPTS[2][-3:]]
+    for got, want in zip(cut, llm.embed([PROMPTS[1][-3:], PROMPTS[2][-3:]],
+                                        [PoolingParams(), PoolingParams(normalize=False)], use_tqdm=False)):
+        assert got.outputs.embedding == pytest.approx(want.outputs.embedding, abs=1e-5)
+    encoded = llm.encode(PROMPTS[:2], use_tqdm=False)
+    assert all(isinstance(o.outputs.data, torch.Tensor) for o in encoded)
+    for got, want in zip(encoded, llm.embed(PROMPTS[:2], use_tqdm=False)):  # (the second run reads cached prefixes)
+        assert torch.allclose(got.outputs.data, torch.tensor(want.outputs.embedding), atol=1e-5)
+    assert [o.prompt_token_ids for o in encoded] == PROMPTS[:2]
 
 
 @settings(max_examples=100, deadline=None)

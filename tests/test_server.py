@@ -172,7 +172,8 @@ def test_health_models_version(server, client):
     assert version == {"version": nanoinfer.__version__}
     with pytest.raises(openai.NotFoundError, match="need a server started with --runner pooling"):
         client.embeddings.create(model="tiny", input="hi")
-    for path, body in (("/v1/score", {"queries": "a", "documents": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})):
+    for path, body in (("/v1/score", {"queries": "a", "documents": "b"}), ("/rerank", {"query": "a", "documents": ["b"]}),
+                       ("/pooling", {"input": "a"})):
         response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH)
         assert response.status_code == 404 and "--runner pooling" in response.json()["error"]["message"]
 

@@ -69,6 +69,10 @@ def test_embeddings_match_offline_in_both_encodings(client, offline):
             assert data == bf16
         else:
             assert np.array_equal(np.frombuffer(data, decoded), np.asarray(expected[0], np.float32).astype(decoded))
+    pooled = httpx.post(f"{client.base_url.copy_with(path='/pooling')}", json={"input": TEXTS[:2]}).json()
+    assert pooled["object"] == "list" and pooled["id"].startswith("pool-")  # vLLM's /pooling: the same vectors
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"] and pooled["usage"]["prompt_tokens"] > 0
+    assert all(np.allclose(d["data"], want, atol=1e-6) for d, want in zip(pooled["data"], expected))
     raw = httpx.post(f"{client.base_url}embeddings", json={"input": TEXTS[1], "normalize": False}).json()
     want = offline.embed(TEXTS[1:2], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
     assert np.allclose(raw["data"][0]["embedding"], want, atol=1e-6)

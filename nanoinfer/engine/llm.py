@@ -19,7 +19,8 @@ from nanoinfer.engine.core import defer_full_collections
 from nanoinfer.engine.input_processor import unpack_prompt
 from nanoinfer.inputs import PromptType
 from nanoinfer.engine.llm_engine import LLMEngine
-from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from nanoinfer.outputs import (EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                               ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -106,7 +107,8 @@ class LLM:
         self.close()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Without `sampling_params`, the model's
         defaults (`get_default_sampling_params`); `priority`: one per prompt (lower runs first), under
         scheduling_policy="priority" only: otherwise a non-zero priority is a ValueError (as vLLM's)."""
@@ -125,21 +127,37 @@ class LLM:
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+              use_tqdm: bool = True, priority: Sequence[int] | None = None, *,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (`outputs.embedding`), in prompt order; the engine must be built with
-        runner="pooling"."""
-        return self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, use_tqdm,
-                            priority)
+        runner="pooling". `truncate_prompt_tokens` (vLLM's keyword) sets that field of every pooling_params."""
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens) \
+                if isinstance(params, PoolingParams) else \
+                [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self._submit(prompts, params, use_tqdm, priority)
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool = True, priority: Sequence[int] | None = None, *,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's pooling call: `embed`'s vectors as tensors (`outputs.data`)."""
+        outputs = self.embed(prompts, pooling_params, use_tqdm, priority, truncate_prompt_tokens=truncate_prompt_tokens)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(torch.tensor(o.outputs.embedding)))
+                for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
-              use_tqdm: bool = True, pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None, *,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """vLLM's scoring with an embedding model (runner="pooling"): the cosine similarity of each pair's
         embeddings, pairing one `data_1` text with each of `data_2`'s, or the two lists element by element;
         `pooling_params` applies to every text (truncate_prompt_tokens, a Matryoshka model's dimensions). Each
         output's `prompt_token_ids` are its pair's two prompts, one after the other."""
         side_1, side_2 = _prompt_list(data_1), _prompt_list(data_2)
         pairs = score_pairs(len(side_1), len(side_2))  # they pair up (ValueError otherwise) before anything runs
-        outputs = self.embed(side_1 + side_2, pooling_params, use_tqdm=use_tqdm)
+        outputs = self.embed(side_1 + side_2, pooling_params, use_tqdm=use_tqdm,
+                             truncate_prompt_tokens=truncate_prompt_tokens)
         first, second = outputs[: len(side_1)], outputs[len(side_1):]
         return [ScoringRequestOutput(str(k), ScoringOutput(cosine(first[i].outputs.embedding,
                                                                   second[j].outputs.embedding)),
@@ -291,7 +309,8 @@ class LLM:
         if isinstance(sampling_params, PoolingParams):
             raise ValueError("stream() yields generated text; embeddings come from embed()")
         if isinstance(sampling_params, SamplingParams) and not sampling_params.detokenize:
-            raise ValueError("stream() yields text, which detokenize=False leaves out; generate() returns the token ids")
+            raise ValueError("stream() yields text, which detokenize=False leaves out; generate() returns the token "
+                             "ids")
         if self.tokenizer is None and self.llm_engine.config.runner != "pooling":  # (pooling: refused below)
             raise ValueError("stream() yields text, which needs a tokenizer: this model has none (give "
                              "tokenizer=PATH); generate() returns the token ids")

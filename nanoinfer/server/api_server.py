@@ -219,6 +219,11 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
     async def embeddings(raw: Request) -> Response:
         return await pooling.create_embedding(parse_body(EmbeddingRequest, await read_json(raw, limit)), raw)
 
+    @app.post("/pooling")
+    async def pooled(raw: Request) -> Response:
+        return await pooling.create_embedding(parse_body(EmbeddingRequest, await read_json(raw, limit)), raw,
+                                              "pooling")
+
     @app.post("/score")
     @app.post("/v1/score")
     async def score(raw: Request) -> Response:

@@ -1,5 +1,5 @@
-"""The embedding model's endpoints (`--runner pooling`): /v1/embeddings, and vLLM's bi-encoder /score and /rerank,
-whose scores are the cosine similarities of embeddings. They admit their texts through the generation endpoints'
+"""The embedding model's endpoints (`--runner pooling`): /v1/embeddings (and vLLM's /pooling, the same vectors),
+vLLM's bi-encoder /score and /rerank, whose scores are the cosine similarities of embeddings. They admit their texts through the generation endpoints'
 path (`OpenAIServing.generate` and `collect`: tokenizing off the event loop, the waiting-queue bound, aborts when
 the client goes away), as requests that end with their prompt's pooled vector."""
 
@@ -23,19 +23,20 @@ class PoolingServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create_embedding(self, req: EmbeddingRequest, raw: Request) -> Response:
+    async def create_embedding(self, req: EmbeddingRequest, raw: Request, kind: str = "embedding") -> Response:
+        """/v1/embeddings, or with kind "pooling" vLLM's /pooling (the same vectors, each under "data")."""
         self._check(req)
         req.check_form()
-        response_id, request_id = request_ids("embd", raw, req.request_id)
+        response_id, request_id = request_ids("embd" if kind == "embedding" else "pool", raw, req.request_id)
         prompts = req.prompts if req.messages is None else lambda: [self.serving.chat_prompt(req)]
         outputs = await self._pool(request_id, prompts, req.pooling_params(req.normalize, req.dimensions), req,
                                    {"prompt": "input" if req.messages is None else "messages"}, raw)
         if outputs is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(self._pooled_base(response_id, req.model, outputs) | {
-            "object": "list", "data": [{"object": "embedding", "index": i,
-                                        "embedding": _encode_embedding(o.outputs.embedding, req.encoding_format,
-                                                                      req.embed_dtype, req.endianness)}
+            "object": "list", "data": [{"object": kind, "index": i,
+                                        "embedding" if kind == "embedding" else "data": _encode_embedding(
+                                            o.outputs.embedding, req.encoding_format, req.embed_dtype, req.endianness)}
                                        for i, o in enumerate(outputs)]})
 
     async def create_score(self, req: ScoreRequest, raw: Request) -> Response:

@@ -237,8 +237,8 @@ class OpenAIServing:
     def check_runner(self, embeddings: bool) -> None:
         """A server makes either embeddings (--runner pooling) or text: the other kind's endpoints are 404s."""
         if embeddings and self.client.pooler is None:
-            raise ApiError(404, "this server generates text: the embedding endpoints (/v1/embeddings, /score, "
-                                "/rerank) need a server started with --runner pooling")
+            raise ApiError(404, "this server generates text: the embedding endpoints (/v1/embeddings, /pooling, "
+                                "/score, /rerank) need a server started with --runner pooling")
         if not embeddings and self.client.pooler is not None:
             raise ApiError(404, "this server makes embeddings (--runner pooling): it serves /v1/embeddings, not "
                                 "text generation")
