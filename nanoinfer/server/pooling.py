@@ -1,7 +1,8 @@
 """The embedding model's endpoints (`--runner pooling`): /v1/embeddings (and vLLM's /pooling, the same vectors),
-vLLM's bi-encoder /score and /rerank, whose scores are the cosine similarities of embeddings. They admit their texts through the generation endpoints'
-path (`OpenAIServing.generate` and `collect`: tokenizing off the event loop, the waiting-queue bound, aborts when
-the client goes away), as requests that end with their prompt's pooled vector."""
+vLLM's bi-encoder /score and /rerank, whose scores are the cosine similarities of embeddings. They admit their
+texts through the generation endpoints' path (`OpenAIServing.generate` and `collect`: tokenizing off the event
+loop, the waiting-queue bound, aborts when the client goes away), as requests that end with their prompt's pooled
+vector."""
 
 from __future__ import annotations
 
