@@ -63,6 +63,43 @@ def test_smollm2_follows_each_kind_of_grammar(smol: LLM) -> None:
     ebnf = 'root ::= "The answer is " [0-9]+ "."'
     answer = smol.generate([yes_no], constrained(StructuredOutputsParams(grammar=ebnf)), use_tqdm=False)[0].outputs[0]
     assert re.fullmatch(r"The answer is \d+\.", answer.text)
+    lark = "?start: 'The answer is ' number '.'  // Lark, as vLLM takes it too\nnumber: /[0-9]+/"
+    same = smol.generate([yes_no], constrained(StructuredOutputsParams(grammar=lark)), use_tqdm=False)[0].outputs[0]
+    assert same.token_ids == answer.token_ids
+
+
+def test_lark_grammars_become_ebnf() -> None:
+    """Lark's notation rewritten for xgrammar: rules, continued alternatives, single quotes, [optional], regex
+    terminals as rules of their own (not renamed inside strings), start as the root; what EBNF lacks is refused
+    with the line."""
+    import xgrammar
+
+    from nanoinfer.sample.lark import is_lark, lark_to_ebnf
+
+    def convert(text: str) -> str:
+        return lark_to_ebnf(text, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
+
+    grammar = """greeting: 'hi' | "hello"  # comment
+    | 'it\\'s "x"'
+!start.2: greeting [name] [tag] ("!" | '?')+
+name: " " /[A-Z][a-z]*/
+tag: " " /root\\/x/
+"""
+    assert is_lark(grammar) and not is_lark('root ::= "a"  // rule: b')
+    ebnf = convert(grammar)
+    assert ebnf.splitlines()[:4] == ['root ::= start', 'greeting ::= "hi" | "hello" | "it\'s \\"x\\""',
+                                     'start ::= greeting (name)? (tag)? ("!" | "?")+', 'name ::= " " name__re0']
+    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(ebnf)
+    for text, complete in (("hi Bob!?", True), ("hello root/x?", True), ('it\'s "x" Ann root/x!', True),
+                           ("hi Bob", False), ("hi bob!", False), ("hey!", False), ('hi "root/x"!', False)):
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.is_completed()) == complete, text
+    for text, match in (("%import common.WS\nstart: 'a'", "line 1: directives"),
+                        ("start: a", "line 1: rule start uses undefined a"),
+                        ("start: 'a'..'z'", "ranges"), ("start: 'a'i", "flags"), ("start: ['a'", "never closed"),
+                        ("| 'a'", "continues no rule"), ("start = 'a'", "expected 'name: ...'")):
+        with pytest.raises(ValueError, match=match):
+            convert(text)
 
 
 def test_disable_any_whitespace_writes_compact_json(tmp_path_factory, smollm2_path) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from nanoinfer.sample.lark import is_lark, lark_to_ebnf
 from nanoinfer.sample.think import CONTENT, OPENING, REASONING, ThinkTags
 from nanoinfer.sampling_params import StructuredOutputsParams
 
@@ -78,7 +79,10 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
             return xgrammar.Grammar.from_regex(spec.regex)
         if spec.choice is not None:
             return xgrammar.Grammar.from_regex("|".join(_regex_literal(c) for c in spec.choice))
-        return xgrammar.Grammar.from_ebnf(spec.grammar)
+        grammar = spec.grammar
+        if is_lark(grammar):  # vLLM takes Lark's notation too
+            grammar = lark_to_ebnf(grammar, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
+        return xgrammar.Grammar.from_ebnf(grammar)
     except (RuntimeError, ValueError) as e:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
         raise _cannot_compile(spec, e) from None
 
