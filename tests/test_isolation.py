@@ -39,7 +39,7 @@ def server(model_path, smollm2_path, tmp_path_factory):
 def test_every_endpoint_but_health_ping_and_metrics_needs_the_key(server):
     schema = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
     operations = [(method.upper(), path) for path, item in schema["paths"].items() for method in item]
-    assert len(operations) == 16
+    assert len(operations) == 17
     operations += [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/nothing-here"),
                    ("POST", "/v1/completions/../../etc/passwd"), ("DELETE", "/v1/models")]
     wrong = [{}, {"Authorization": "Bearer wrong-key"}, {"Authorization": f"Bearer {API_KEY}x"},

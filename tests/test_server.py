@@ -271,6 +271,9 @@ def test_an_error_names_the_field_the_client_sent(server):
     response = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,
                           json={"messages": CHAT, "max_tokens": 0})
     assert response.json()["error"]["message"].startswith("max_tokens must be")
+    too_long = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH,  # named inside the message too
+                          json={"messages": CHAT, "max_completion_tokens": 999}).json()["error"]
+    assert "+ max_completion_tokens (999) =" in too_long["message"] and "max_tokens" not in too_long["message"]
 
 
 # ----- generation -----

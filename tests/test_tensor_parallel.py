@@ -144,6 +144,18 @@ def test_a_tensor_parallel_engine_lives_alone_in_its_process(tiny_qwen3) -> None
                                                                    use_tqdm=False)
 
 
+def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tiny_qwen3, tmp_path) -> None:
+    """The spawn start method imports the script again in each worker; without an `if __name__ == "__main__":`
+    guard the worker dies starting, and the error says so (it said only that the worker exited)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from nanoinfer import LLM\nLLM({tiny_qwen3!r}, device='cpu', tensor_parallel_size=2, "
+                      f"num_kv_blocks=32)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(Path(nanoinfer.__file__).parent.parent)})
+    assert proc.returncode != 0 and "WorkerDiedError" in proc.stderr, proc.stderr[-2000:]
+    assert 'lacks an `if __name__ == "__main__":` guard' in proc.stderr
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduling: bool) -> None:
     """Async: workers feed each step's tokens from rank 0's broadcast before any host list has them."""

@@ -51,6 +51,10 @@ WORKER_CHECK_S = 0.05
 DEATH_GRACE_S = 5.0
 
 
+_STARTUP_HINT = ("; a worker that dies while starting often means that the script which made the engine lacks an "
+                 "`if __name__ == \"__main__\":` guard (the workers are spawned: each imports the script again)")
+
+
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone; the engine cannot continue."""
 
@@ -162,7 +166,7 @@ class TensorParallelDriver:
         keys = [ready_key(r) for r in range(1, world_size)]
         deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
         while not store.check(keys):
-            self._raise_if_worker_died()
+            self._raise_if_worker_died(hint=_STARTUP_HINT)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers did not start within {COLLECTIVE_TIMEOUT}")
             time.sleep(0.05)
@@ -232,10 +236,10 @@ class TensorParallelDriver:
         return [f"tensor-parallel worker rank {rank} (pid {p.pid}) {_describe_exit(p.exitcode)}"
                 for rank, p in enumerate(processes, 1) if p.exitcode is not None]
 
-    def _raise_if_worker_died(self, wait_s: float = 0.0) -> None:
+    def _raise_if_worker_died(self, wait_s: float = 0.0, hint: str = "") -> None:
         if dead := self._dead_workers(wait_s):
             raise WorkerDiedError("; ".join(dead) + " (its error, if any, is in the log above); "
-                                  "the tensor-parallel engine cannot continue")
+                                  "the tensor-parallel engine cannot continue" + hint)
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

@@ -13,8 +13,8 @@ from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
 def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (streaming, metrics)")
     parser.add_argument("model", nargs="?", default=None,
-                        help="model folder, .gguf file or config.json (dummy weights); default: the embedded "
-                             "SmolLM2-135M-Instruct")
+                        help="model folder, .gguf file, config.json (dummy weights) or Hugging Face Hub name "
+                             "(org/name); default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument("--api-key", default=os.environ.get("NANOINFER_API_KEY") or None,

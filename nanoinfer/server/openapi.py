@@ -40,7 +40,7 @@ _OPERATIONS: dict[str, tuple[type[BaseModel] | None, dict | None, tuple[int, ...
     "/detokenize": (DetokenizeRequest, _JSON, (400, 404, 413)),
     "/v1/completions": (CompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
     "/v1/chat/completions": (ChatCompletionRequest, _JSON | _STREAM, (400, 404, 413, 500, 503)),
-    "/v1/embeddings": (EmbeddingRequest, _JSON, (400, 404, 413, 503)),
+    **{path: (EmbeddingRequest, _JSON, (400, 404, 413, 503)) for path in ("/v1/embeddings", "/pooling")},
     **{path: (ScoreRequest, _JSON, (400, 404, 413, 503)) for path in ("/score", "/v1/score")},
     **{path: (RerankRequest, _JSON, (400, 404, 413, 503)) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
 }

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -55,8 +56,8 @@ def _bad_request(error: Exception, renames: dict[str, str], param: str | None = 
     word = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
     if word in _FIELD_NAMES:
         param = renames.get(word, word)
-        if word in _SAME_VALUE_RENAMES and message.startswith(f"{word} "):
-            message = param + message[len(word):]
+    for name in _SAME_VALUE_RENAMES & renames.keys():  # wherever the message names it ("prompt + max_tokens ...")
+        message = re.sub(rf"\b{name}\b", renames[name], message)
     return ApiError(400, message, param)
 
 
