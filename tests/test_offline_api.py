@@ -378,6 +378,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
         llm.generate(ids, SamplingParams(truncate_prompt_tokens=limit + 1), use_tqdm=False)
 
 
+def test_truncating_to_fit_keeps_what_a_small_kv_cache_holds(tiny_models) -> None:
+    """truncate_prompt_tokens=-1 keeps as many tokens as a request may hold: with a KV cache of fewer tokens than
+    max_model_len, the cache's (it kept max_model_len - 1, then refused the request as too long for the cache)."""
+    small = LLM(tiny_models["llama"], num_kv_blocks=8, block_size=16)  # 128 tokens, max_model_len 512
+    assert small.llm_engine.limits.max_tokens_per_request == 128 < small.llm_engine.limits.max_model_len
+    out = small.generate([list(range(1, 200))], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
+                         use_tqdm=False)[0]
+    assert out.prompt_token_ids == list(range(73, 200))  # the last 127
+
+
 def test_allowed_token_ids_hold_for_every_child_and_step(llm: LLM) -> None:
     """Every token of every child (n = 3, random) is one of the allowed ids, over many steps; a batch-mate without
     them samples freely."""

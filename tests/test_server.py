@@ -624,6 +624,23 @@ def test_prompt_logprobs_as_vllm_gives_them(client, offline):
         assert entry[str(token)]["rank"] == ref_entry[token].rank >= 1
 
 
+def test_a_grammar_that_allows_nothing_is_a_clean_error(server):
+    """No token to sample (it sampled a stand-in whose NaN logprobs made the response a bare 500 from the JSON
+    encoder, and a stream of invalid JSON): the request fails alone, in OpenAI's error form, streamed or not."""
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}"))
+
+    body = {"prompt": "hi", "max_tokens": 4, "logprobs": 2, "structured_outputs": {"regex": "[^\\s\\S]"}}
+    response = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json=body)
+    assert response.status_code == 500 and "failed inside the engine" in strict(response.text)["error"]["message"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, json=body | {"stream": True}) as events:
+        lines = [line[6:] for line in events.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and "failed inside the engine" in strict(lines[-2])["error"]["message"]
+    assert all(strict(line) for line in lines[:-1])
+    assert httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 2}
+                      ).status_code == 200
+
+
 def test_structured_outputs_match_offline(client, offline):
     """response_format (OpenAI's json_object / json_schema) and vLLM's structured_outputs reach the sampler: the
     served text is the offline engine's under the same grammar, streamed or not."""

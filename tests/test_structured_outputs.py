@@ -146,6 +146,23 @@ def test_large_batches_feed_their_matchers_in_threads(smol: LLM, monkeypatch) ->
     assert torch.equal(compiler.bitmask(alone)[:8], compiler.bitmask(alone[:8]))  # xgrammar's batch fill = one by one
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_constraints_that_allow_no_token_fail_their_request_alone(smollm2_path, async_scheduling) -> None:
+    """A grammar that matches nothing, or one whose tokens allowed_token_ids excludes, leaves no token to sample:
+    that request ends with finish_reason "error" (it sampled a stand-in token with NaN logprobs, which the server
+    could not write as JSON), and the requests beside it run on."""
+    with LLM(kv_cache_memory_bytes=64 << 20, async_scheduling=async_scheduling) as llm:
+        impossible = constrained(StructuredOutputsParams(regex="[^\\s\\S]"), 5, logprobs=2)
+        disjoint = SamplingParams(temperature=0.8, max_tokens=5, allowed_token_ids=[5, 6],
+                                  structured_outputs=StructuredOutputsParams(choice=["hello"]))
+        plain = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        outs = llm.generate(["Hi", "Hi", "Hi"], [impossible, plain, disjoint], use_tqdm=False)
+        assert [(o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in outs[::2]] == [("error", [])] * 2
+        assert outs[1].outputs[0].token_ids == llm.generate(["Hi"], plain, use_tqdm=False)[0].outputs[0].token_ids
+        core = llm.llm_engine.core
+        assert core.scheduler.kv_cache_manager.num_free_blocks == core.num_blocks
+
+
 def test_bad_grammars_are_refused_before_the_engine(smol: LLM) -> None:
     core = smol.llm_engine.core
     for spec, error, match in (

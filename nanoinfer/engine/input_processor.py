@@ -247,7 +247,8 @@ class InputProcessor:
             if keep > self.limits.max_model_len:
                 raise ValueError(f"truncate_prompt_tokens ({keep}) is more than max_model_len "
                                  f"({self.limits.max_model_len})")
-            keep = self.limits.max_model_len - (0 if pooling else 1) if keep == -1 else keep
+            # -1: as many as a request may hold (max_model_len, or the KV cache's tokens when it holds fewer)
+            keep = self.limits.max_tokens_per_request - (0 if pooling else 1) if keep == -1 else keep
             if len(token_ids) > keep:
                 token_ids = token_ids[-keep:]
                 text = None if text is None or self.tokenizer is None else self.tokenizer.decode(token_ids)

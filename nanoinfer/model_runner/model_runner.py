@@ -24,7 +24,7 @@ from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.model_runner.block_table import BlockTable
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
-from nanoinfer.model_runner.output import RunnerFuture, copy_to_host, stack_rows
+from nanoinfer.model_runner.output import NO_TOKEN, RunnerFuture, copy_to_host, stack_rows
 from nanoinfer.model_runner.pooler import Pooler
 from nanoinfer.model_runner.state import CachedRequestState
 from nanoinfer.sample.metadata import allowed_token_mask
@@ -353,6 +353,8 @@ class ModelRunner:
         if tp_rank() != 0:
             return None
         positions = [s.prompt_len + i for s, i in zip(sample_states, output_index)]
+        if sampled.no_token is not None:  # (the device keeps a real id: the next step may read it before the host)
+            token_ids = torch.where(sampled.no_token, NO_TOKEN, token_ids)
         self.last_future = RunnerFuture(sample_states, sampled, copy_to_host(token_ids), errors, positions,
                                         prompt_logprobs, None if self.grammars is None else self.grammars.accept,
                                         drafts)

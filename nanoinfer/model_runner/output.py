@@ -51,14 +51,20 @@ def prompt_logprobs_to_lists(prompt_logprobs: tuple[list[tuple[str, int, int, in
     return result
 
 
+NO_TOKEN = -1  # the host copy's token id for a row whose masks left nothing to sample (SamplerOutput.no_token)
+
+
 def stack_rows(rows: list[SamplerOutput | None], device: torch.device) -> SamplerOutput:
     """One batch output from per-row ones. A failed row (None) gets token 0 and
     zero logprobs, which nobody reads: its request ends with an error."""
     zero = torch.zeros(1, dtype=torch.long, device=device)
     token_ids = torch.cat([zero if r is None else r.sampled_token_ids for r in rows])
+    no_token = None
+    if any(r is not None and r.no_token is not None for r in rows):
+        no_token = torch.cat([zero.bool() if r is None or r.no_token is None else r.no_token for r in rows])
     logprobs = [None if r is None else r.logprobs for r in rows]
     if all(lp is None for lp in logprobs):
-        return SamplerOutput(token_ids, None)
+        return SamplerOutput(token_ids, None, no_token)
     width = max(lp.logprobs.shape[1] for lp in logprobs if lp is not None)
 
     def column(name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +74,7 @@ def stack_rows(rows: list[SamplerOutput | None], device: torch.device) -> Sample
 
     ranks = torch.cat([zero if lp is None else lp.selected_token_ranks for lp in logprobs])
     return SamplerOutput(token_ids, LogprobsTensors(column("logprob_token_ids", torch.long),
-                                                    column("logprobs", torch.float32), ranks))
+                                                    column("logprobs", torch.float32), ranks), no_token)
 
 
 class RunnerFuture:
@@ -124,6 +130,9 @@ class RunnerFuture:
                 token_ids, logprobs = self._keep_drafts(rows, row_logprobs)
             grammars = []
             for state, new in zip(heads, token_ids):
+                if NO_TOKEN in new:  # its masks allowed nothing: the request fails (the scheduler drops its tokens)
+                    self.errors[state.req_id] = "its grammar, allowed_token_ids or bad words allow no next token"
+                    continue
                 state.token_ids.extend(new)  # harmless for a request dropped meanwhile
                 if state.grammar is not None:  # no drafts: one token
                     grammars.append((state.grammar, new[0]))

@@ -45,6 +45,9 @@ class LogprobsTensors:
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
     logprobs: LogprobsTensors | None
+    # [B] bool, where a request masks tokens (a grammar, allowed_token_ids, bad words): True for a row whose masks
+    # left no token to sample (its sampled id is a stand-in, and its request fails); None without masks.
+    no_token: torch.Tensor | None = None
 
 
 class Sampler(nn.Module):
@@ -66,12 +69,15 @@ class Sampler(nn.Module):
         logits = apply_logit_bias(logits, metadata)
         logits = apply_banned_tokens(logits, metadata)
         logits = apply_penalties(logits, metadata)
+        masked = metadata.allowed_tokens is not None or metadata.allowed_token_ids is not None or \
+            metadata.banned_tokens is not None
+        no_token = torch.isneginf(logits).all(dim=-1) if masked else None
         sampled = sample(logits, metadata)
         logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         if metadata.counted is not None:  # last, once nothing can raise: a failed batch is sampled again row by row
             rows, slots = metadata.counted
             metadata.penalty_state.record(slots, sampled[rows])
-        return SamplerOutput(sampled, logprobs)
+        return SamplerOutput(sampled, logprobs, no_token)
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

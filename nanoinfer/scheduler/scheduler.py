@@ -283,6 +283,7 @@ class Scheduler:
                 self.spec_stats.add(len(drafts), len(token_ids) - 1)
             failed = req_id in output.errors
             if failed:
+                logger.warning("request %s ends with finish_reason 'error': %s", req_id, output.errors[req_id])
                 request.status = RequestStatus.FINISHED_ERROR
                 token_ids, logprobs = [], []
             for i, token_id in enumerate(token_ids):  # a stop among them drops the rest

@@ -66,7 +66,10 @@ def document_api(app: FastAPI, public_paths: tuple[str, ...]) -> None:
                 operation["responses"] = responses
                 if body is not None:
                     model_schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
-                    components.update(model_schema.pop("$defs", {}))
+                    definitions = model_schema.pop("$defs", {})
+                    for model in (model_schema, *definitions.values()):
+                        _optional_fields_take_null(model)
+                    components.update(definitions)
                     components[body.__name__] = model_schema
                     operation["requestBody"] = {"required": True, "content": {"application/json": {
                         "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}
@@ -74,3 +77,14 @@ def document_api(app: FastAPI, public_paths: tuple[str, ...]) -> None:
         return schema
 
     app.openapi = openapi
+
+
+def _optional_fields_take_null(model: dict) -> None:
+    """An explicit null in a body means the field's default (protocol._Body, as OpenAI's nullable fields): every
+    field a body may leave out takes null too."""
+    required = set(model.get("required", ()))
+    for name, field in model.get("properties", {}).items():
+        if name in required or any(option.get("type") == "null" for option in field.get("anyOf", ())):
+            continue
+        kept = {key: field.pop(key) for key in ("default", "title", "description") if key in field}
+        model["properties"][name] = {"anyOf": [field, {"type": "null"}], **kept} if field else field

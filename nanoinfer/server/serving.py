@@ -77,6 +77,11 @@ def _request_failed(request_id: str) -> ApiError:
     return ApiError(500, f"generating {request_id} failed inside the engine; the server log has the details")
 
 
+def _json_logprob(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (and a NaN, were one to come) as _MIN_LOGPROB."""
+    return logprob if logprob > _MIN_LOGPROB else _MIN_LOGPROB
+
+
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -602,7 +607,7 @@ class OpenAIServing:
         prompt's own token and the top-n; null at position 0 (and in all, for a request that ended first)."""
         if output.prompt_logprobs is None:
             return None
-        return [None if lp is None else {str(t): {"logprob": max(v.logprob, _MIN_LOGPROB), "rank": v.rank,
+        return [None if lp is None else {str(t): {"logprob": _json_logprob(v.logprob), "rank": v.rank,
                                                   "decoded_token": self._token_text(t, v)} for t, v in lp.items()}
                 for lp in output.prompt_logprobs]
 
@@ -614,16 +619,16 @@ class OpenAIServing:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens,
-                "token_logprobs": [None if lp is None else max(lp[t].logprob, _MIN_LOGPROB)
+                "token_logprobs": [None if lp is None else _json_logprob(lp[t].logprob)
                                    for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [None if lp is None else {self._token_text(i, v): max(v.logprob, _MIN_LOGPROB)
+                "top_logprobs": [None if lp is None else {self._token_text(i, v): _json_logprob(v.logprob)
                                                           for i, v in lp.items()} for lp in logprobs],
                 "text_offset": offsets}
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, Logprob]], top_n: int) -> dict:
         def entry(token_id: int, value: Logprob) -> dict:
             text = self._token_text(token_id, value)
-            return {"token": text, "logprob": max(value.logprob, _MIN_LOGPROB), "bytes": list(text.encode())}
+            return {"token": text, "logprob": _json_logprob(value.logprob), "bytes": list(text.encode())}
 
         return {"content": [entry(t, lp[t]) | {"top_logprobs": [entry(i, v) for i, v in
                                                                  sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:top_n]]}
