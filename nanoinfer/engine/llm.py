@@ -17,8 +17,8 @@ from nanoinfer.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, OFFLINE_LARGE_GPU_M
 from nanoinfer.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all, live_beams
 from nanoinfer.engine.core import defer_full_collections
 from nanoinfer.engine.input_processor import unpack_prompt
-from nanoinfer.inputs import PromptType
 from nanoinfer.engine.llm_engine import LLMEngine
+from nanoinfer.inputs import PromptType
 from nanoinfer.outputs import (EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
