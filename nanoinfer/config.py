@@ -76,7 +76,7 @@ class EngineConfig:
     max_num_seqs: int = _arg(256, "most requests in one step")
     kv_cache_dtype: str = _arg("auto", "KV cache element type (auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn, half the bytes of bf16, values stored unscaled, saturated at +-448)", ("auto", "fp8", "fp8_e4m3"))
     enable_prefix_caching: bool = _arg(True, "share KV blocks of equal prompt prefixes")
-    enable_chunked_prefill: bool = _arg(True, "split long prompts across steps within the token budget: always on "
+    enable_chunked_prefill: bool | None = _arg(True, "split long prompts across steps within the token budget: always on "
                                               "(the scheduler has one token budget for prefills and decodes)")
     kv_cache_memory_bytes: int | None = _arg(None, "KV cache size in bytes (default on CPU: 1 GiB; on GPU: sized by gpu_memory_utilization)")
     gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
@@ -104,6 +104,8 @@ class EngineConfig:
                 setattr(self, name, os.fspath(value))
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
+        if self.enable_chunked_prefill is None:  # vLLM's default: decided by the engine (here always on)
+            self.enable_chunked_prefill = True
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling",
                      "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):

@@ -606,11 +606,18 @@ def fake_hub_cache(root, repo_id: str, folder: str, commit: str = "0" * 40) -> s
     return str(root)
 
 
-def test_hugging_face_hub_names_load_from_the_cache(tmp_path, tiny_models, smollm2_path) -> None:
+def test_hugging_face_hub_names_load_from_the_cache(tmp_path, tiny_models, smollm2_path, monkeypatch) -> None:
     """As vLLM takes a model name: "org/name" is the Hub repository, here found in its cache (HF_HUB_OFFLINE=1, as
-    on machines without a network); `download_dir` names the cache, `revision` a branch. A name the cache lacks is
-    an error that says both readings."""
-    cache = fake_hub_cache(tmp_path, "org/tiny", tiny_models["llama"])
+    on machines without a network); `download_dir` names the cache, `revision` a branch. Weights are fetched only
+    where they are loaded (not for a tokenizer, nor for dummy weights), and the commits the names resolved to are
+    what tensor-parallel workers load. A name the cache lacks is an error that says both readings."""
+    import huggingface_hub
+
+    fetched = []
+    real = huggingface_hub.snapshot_download
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, **kw: fetched.append((repo, kw["allow_patterns"])) or real(repo, **kw))
+    cache = fake_hub_cache(tmp_path, "org/tiny", tiny_models["llama"], "1" * 40)
     fake_hub_cache(tmp_path, "org/tok", smollm2_path)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     local = LLM(tiny_models["llama"], tokenizer=smollm2_path, num_kv_blocks=16)
@@ -619,6 +626,11 @@ def test_hugging_face_hub_names_load_from_the_cache(tmp_path, tiny_models, smoll
         local.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert hub.get_tokenizer().encode("Hello") == local.get_tokenizer().encode("Hello")
     assert hub.llm_engine.core.source.model_path.startswith(cache)
+    assert hub.llm_engine.core.source.hub_revisions == {"revision": "1" * 40, "tokenizer_revision": "0" * 40}
+    assert [(repo, "*.safetensors" in patterns) for repo, patterns in fetched] == [("org/tiny", True),
+                                                                                   ("org/tok", False)]
+    LLM("org/tiny", load_format="dummy", download_dir=cache, num_kv_blocks=16)
+    assert fetched[-1] == ("org/tiny", fetched[1][1])  # a config, no weights
     for kwargs, match in (({"download_dir": cache, "revision": "v2"}, "org/tiny' does not exist, and as a Hugging "
                                                                       "Face Hub repository it could not be fetched"),
                           ({}, "could not be fetched or found in the cache")):
@@ -631,7 +643,8 @@ def test_hugging_face_hub_names_load_from_the_cache(tmp_path, tiny_models, smoll
 def test_vllm_engine_arguments_that_change_nothing_here_are_accepted(tiny_models) -> None:
     """trust_remote_code (no code runs from a model folder), enable_chunked_prefill=True (always on; False is an
     error that says why) and seed=None (a random seed, as vLLM's)."""
-    llm = LLM(tiny_models["llama"], num_kv_blocks=16, trust_remote_code=True, enable_chunked_prefill=True, seed=None)
+    llm = LLM(tiny_models["llama"], num_kv_blocks=16, trust_remote_code=True, enable_chunked_prefill=None, seed=None)
+    assert llm.llm_engine.config.enable_chunked_prefill is True  # vLLM's default None: the engine decides
     assert isinstance(llm.llm_engine.config.seed, int)
     with pytest.raises(ValueError, match="enable_chunked_prefill=False is not supported"):
         LLM(tiny_models["llama"], num_kv_blocks=16, enable_chunked_prefill=False)

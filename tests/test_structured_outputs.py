@@ -69,37 +69,44 @@ def test_smollm2_follows_each_kind_of_grammar(smol: LLM) -> None:
 
 
 def test_lark_grammars_become_ebnf() -> None:
-    """Lark's notation rewritten for xgrammar: rules, continued alternatives, single quotes, [optional], regex
-    terminals as rules of their own (not renamed inside strings), start as the root; what EBNF lacks is refused
-    with the line."""
+    """Lark's notation rewritten for xgrammar: rules (with ? and ! modifiers and priorities), continued alternatives,
+    aliases dropped, single quotes, [optional], regex terminals as rules of their own (renamed neither inside
+    strings nor inside character classes, and under names no rule holds), start as the root whatever the rule
+    order or a rule named root; what EBNF lacks is refused with the line."""
     import xgrammar
 
     from nanoinfer.sample.lark import is_lark, lark_to_ebnf
 
-    def convert(text: str) -> str:
-        return lark_to_ebnf(text, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
+    def accepts(text: str, strings: dict[str, bool]) -> None:
+        ebnf, root = lark_to_ebnf(text, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
+        compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(
+            xgrammar.Grammar.from_ebnf(ebnf, root_rule_name=root))
+        for string, complete in strings.items():
+            matcher = xgrammar.GrammarMatcher(compiled)
+            assert (matcher.accept_string(string) and matcher.is_completed()) == complete, (string, ebnf)
 
-    grammar = """greeting: 'hi' | "hello"  # comment
+    grammar = """greeting: 'hi' | "hello" -> hello  # comment
     | 'it\\'s "x"'
-!start.2: greeting [name] [tag] ("!" | '?')+
+?!start.2: greeting [name] [tag] ("!" | '?')+
 name: " " /[A-Z][a-z]*/
-tag: " " /root\\/x/
+tag: " " /root\\/x/ -> tagged
 """
     assert is_lark(grammar) and not is_lark('root ::= "a"  // rule: b')
-    ebnf = convert(grammar)
-    assert ebnf.splitlines()[:4] == ['root ::= start', 'greeting ::= "hi" | "hello" | "it\'s \\"x\\""',
-                                     'start ::= greeting (name)? (tag)? ("!" | "?")+', 'name ::= " " name__re0']
-    compiled = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo(["a"])).compile_grammar(ebnf)
-    for text, complete in (("hi Bob!?", True), ("hello root/x?", True), ('it\'s "x" Ann root/x!', True),
-                           ("hi Bob", False), ("hi bob!", False), ("hey!", False), ('hi "root/x"!', False)):
-        matcher = xgrammar.GrammarMatcher(compiled)
-        assert (matcher.accept_string(text) and matcher.is_completed()) == complete, text
+    ebnf, root = lark_to_ebnf(grammar, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
+    assert root == "start" and ebnf.splitlines()[:3] == [
+        'greeting ::= "hi" | "hello"  | "it\'s \\"x\\""', 'start ::= greeting (name)? (tag)? ("!" | "?")+',
+        'name ::= " " name__re0']
+    accepts(grammar, {"hi Bob!?": True, "hello root/x?": True, 'it\'s "x" Ann root/x!': True, "hi Bob": False,
+                      "hi bob!": False, "hey!": False, 'hi "root/x"!': False})
+    accepts("root: 'x' word\nword: /[root]+/", {"xroot": True, "xtoor": True, "xstar": False, "x": False})
+    accepts("a: /[a-z]/ a__re0\na__re0: 'z'", {"qz": True, "q": False})
+    accepts("start: root 'y'\nroot: 'x'", {"xy": True, "x": False})
     for text, match in (("%import common.WS\nstart: 'a'", "line 1: directives"),
                         ("start: a", "line 1: rule start uses undefined a"),
                         ("start: 'a'..'z'", "ranges"), ("start: 'a'i", "flags"), ("start: ['a'", "never closed"),
                         ("| 'a'", "continues no rule"), ("start = 'a'", "expected 'name: ...'")):
         with pytest.raises(ValueError, match=match):
-            convert(text)
+            lark_to_ebnf(text, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
 
 
 def test_disable_any_whitespace_writes_compact_json(tmp_path_factory, smollm2_path) -> None:

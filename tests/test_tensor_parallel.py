@@ -156,6 +156,32 @@ def test_a_script_without_a_main_guard_is_told_why_its_worker_died(tiny_qwen3, t
     assert 'lacks an `if __name__ == "__main__":` guard' in proc.stderr
 
 
+def test_tp_workers_load_the_commit_a_hub_name_resolved_to(tiny_qwen3, tmp_path, monkeypatch) -> None:
+    """A Hub name is resolved once, by rank 0: the workers get its commit as the revision (they looked the name up
+    again, and would load another commit had the branch moved meanwhile: here it moves to one the cache lacks right
+    after rank 0's lookup, so a worker that looked it up again would die)."""
+    from nanoinfer.loader import resolve
+    from test_offline_api import fake_hub_cache
+
+    cache = fake_hub_cache(tmp_path, "org/tiny", tiny_qwen3, "2" * 40)
+    looked_up = resolve.local_path
+
+    def then_the_branch_moves(*args, **kwargs):
+        folder = looked_up(*args, **kwargs)
+        (Path(cache) / "models--org--tiny" / "refs" / "main").write_text("3" * 40)
+        return folder
+
+    monkeypatch.setattr(resolve, "local_path", then_the_branch_moves)
+    parallel = LLM("org/tiny", download_dir=cache, device="cpu", tensor_parallel_size=2, num_kv_blocks=32)
+    try:
+        assert parallel.llm_engine.core.source.hub_revisions == {"revision": "2" * 40}
+        out = parallel.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        parallel.close()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_tp2_equals_tp1_on_tiny_qwen3(tiny_qwen3, tiny_reference, async_scheduling: bool) -> None:
     """Async: workers feed each step's tokens from rank 0's broadcast before any host list has them."""

@@ -140,7 +140,8 @@ class EngineCore:
         if config.tensor_parallel_size > 1:
             from nanoinfer.distributed.driver import TensorParallelDriver
 
-            self.tp_driver = TensorParallelDriver(config, hf_config, self.device)
+            self.tp_driver = TensorParallelDriver(dataclasses.replace(config, **self.source.hub_revisions), hf_config,
+                                                  self.device)
             self.runner = start_model_runner(config, self.source, self.device, self.dtype,
                                              self.tp_driver.agree_num_blocks)
             self.tp_driver.attach(self.runner)

@@ -27,6 +27,8 @@ class ModelSource:
     # takes from here (EngineConfig.generation_config).
     default_sampling: dict = field(default_factory=dict)
     pooler: PoolerConfig | None = None  # runner="pooling": how hidden states become embeddings (resolved once)
+    # The commits Hub names resolved to ("revision", "tokenizer_revision"): the other tensor-parallel ranks load these
+    hub_revisions: dict[str, str] = field(default_factory=dict)
 
 
 # generation_config.json's sampling fields, as vLLM reads them (`--generation-config auto`), and SamplingParams' names.
@@ -34,16 +36,21 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-# What a model's Hugging Face Hub repository holds that the engine reads: config and generation config, safetensors
-# weights and their index, tokenizer files, chat templates, sentence-transformers settings.
-_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+# What the engine reads of a Hugging Face Hub repository: configs, tokenizer files, chat templates, sentence-
+# transformers settings and, where weights are loaded, the safetensors shards (without Mistral's consolidated copy
+# of them, which the loader skips too).
+_HUB_FILES = ["*.json", "*.model", "*.txt", "*.jinja"]
+_HUB_WEIGHTS = ["*.safetensors"]
+_HUB_SKIPPED = ["consolidated*"]
 _REPO_ID = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")
 
 
-def local_path(path: str, what: str, revision: str | None = None, download_dir: str | None = None) -> str:
+def local_path(path: str, what: str, revision: str | None = None, download_dir: str | None = None,
+               weights: bool = False) -> str:
     """`path` itself when it exists; otherwise a Hugging Face Hub repository id ("org/name", as vLLM takes a model
     name) fetched into the hub's cache (`download_dir`, default ~/.cache/huggingface) or, offline
-    (HF_HUB_OFFLINE=1), found there."""
+    (HF_HUB_OFFLINE=1), found there: its snapshot folder, named by its commit. Safetensors weights only with
+    `weights` (a tokenizer, or dummy weights, need none)."""
     if os.path.exists(path):
         return path
     if not _REPO_ID.fullmatch(path):
@@ -53,7 +60,8 @@ def local_path(path: str, what: str, revision: str | None = None, download_dir: 
     from huggingface_hub import snapshot_download
 
     try:
-        folder = snapshot_download(path, revision=revision, cache_dir=download_dir, allow_patterns=_HUB_FILES)
+        folder = snapshot_download(path, revision=revision, cache_dir=download_dir, ignore_patterns=_HUB_SKIPPED,
+                                   allow_patterns=_HUB_FILES + (_HUB_WEIGHTS if weights else []))
     except Exception as e:  # unknown repository, no network and not in the cache, a gated model, ...
         raise FileNotFoundError(f"{what} path {path!r} does not exist, and as a Hugging Face Hub repository it "
                                 f"could not be fetched or found in the cache ({type(e).__name__}: {e})") from None
@@ -115,21 +123,26 @@ def resolve_model(config: EngineConfig) -> ModelSource:
     from nanoinfer.loader.weights import get_hf_config
     from nanoinfer.models.registry import get_model_class
 
+    hub_revisions: dict[str, str] = {}
     if config.model is None:
         from nanoinfer.loader.default_model import default_model_path
 
         model_path = default_model_path()
     else:
-        model = local_path(config.model, "model", config.revision, config.download_dir)
-        if config.load_format == "gguf" and not model.lower().endswith(".gguf"):
+        if config.load_format == "gguf" and not config.model.lower().endswith(".gguf"):
             raise ValueError(f"load_format='gguf' needs a .gguf file, got {config.model!r}")
-        model_path = _as_folder(model)
+        model_path = _as_folder(local_path(config.model, "model", config.revision, config.download_dir,
+                                           weights=config.load_format != "dummy"))
+        if not os.path.exists(config.model):  # a Hub name: its snapshot folder is named by the commit it resolved to
+            hub_revisions["revision"] = os.path.basename(model_path)
     hf_config = get_hf_config(model_path)
     get_model_class(hf_config)  # an unsupported architecture fails here, before anything is built
     check_model_config(hf_config)
 
     tokenizer_path = _as_folder(local_path(config.tokenizer, "tokenizer", config.tokenizer_revision,
                                            config.download_dir)) if config.tokenizer else None
+    if tokenizer_path is not None and not os.path.exists(config.tokenizer):
+        hub_revisions["tokenizer_revision"] = os.path.basename(tokenizer_path)
     if tokenizer_path is None and _has_tokenizer(model_path):
         tokenizer_path = model_path
 
@@ -150,7 +163,7 @@ def resolve_model(config: EngineConfig) -> ModelSource:
         eos |= _eos_ids(generation.get("eos_token_id"), os.path.join(model_path, "generation_config.json"))
     pooler = PoolerConfig.resolve(model_path, hf_config, config.pooler_config) if config.runner == "pooling" else None
     return ModelSource(model_path, hf_config, tokenizer_path, max_model_len, eos,
-                       _default_sampling(config.generation_config, model_path, generation), pooler)
+                       _default_sampling(config.generation_config, model_path, generation), pooler, hub_revisions)
 
 
 def _generation_config(folder: str) -> dict | None:

@@ -131,7 +131,8 @@ class RunnerFuture:
             grammars = []
             for state, new in zip(heads, token_ids):
                 if NO_TOKEN in new:  # its masks allowed nothing: the request fails (the scheduler drops its tokens)
-                    self.errors[state.req_id] = "its grammar, allowed_token_ids or bad words allow no next token"
+                    self.errors[state.req_id] = ("its grammar, allowed_token_ids, bad words or min_tokens allow no "
+                                                 "next token")
                     continue
                 state.token_ids.extend(new)  # harmless for a request dropped meanwhile
                 if state.grammar is not None:  # no drafts: one token

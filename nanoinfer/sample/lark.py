@@ -1,10 +1,10 @@
 """Grammars in Lark's notation, which vLLM also takes: rewritten in the EBNF that xgrammar reads.
 
 A grammar with no `::=` is read as Lark (vLLM's test). Its rules (`name: ...`, `?name` and `!name` alike, a
-`.priority` ignored) become `name ::= ...`, lines that start with `|` continue the rule above, `'text'` becomes
-`"text"`, `[item]` (Lark's optional) becomes `(item)?`, and a `/regex/` terminal becomes rules of its own (xgrammar
-turns the regex into a grammar). The grammar's root is its `start` rule, else its first. `//` and `#` start
-comments. Directives (`%import`, `%ignore`, `%declare`) are refused: they name other grammars or change how text
+`.priority` ignored) become `name ::= ...`, lines that start with `|` continue the rule above, an alternative's
+`-> alias` (a parse-tree name) is dropped, `'text'` becomes `"text"`, `[item]` (Lark's optional) becomes `(item)?`,
+and a `/regex/` terminal becomes rules of its own (xgrammar turns the regex into a grammar). The grammar's root is its
+`start` rule, else its first. `//` and `#` start comments. Directives (`%import`, `%ignore`, `%declare`) are refused: they name other grammars or change how text
 is split into terminals, which EBNF has no counterpart for.
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 
-_RULE = re.compile(r"[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?\s*:(?!:)(.*)", re.S)
+_RULE = re.compile(r"[?!]*([A-Za-z_]\w*)(?:\.-?\d+)?\s*:(?!:)(.*)", re.S)
+_ALIAS = re.compile(r"->\s*[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z_]\w*")
 
 
@@ -21,9 +22,9 @@ def is_lark(grammar: str) -> bool:
     return not any("::=" in _strip_comment(line) for line in grammar.splitlines())
 
 
-def lark_to_ebnf(grammar: str, regex_to_ebnf) -> str:
-    """The EBNF of a Lark grammar; `regex_to_ebnf(pattern)` gives a regex's EBNF rules, rooted at `root`.
-    ValueError naming the line for what cannot be rewritten."""
+def lark_to_ebnf(grammar: str, regex_to_ebnf) -> tuple[str, str]:
+    """The EBNF of a Lark grammar and the name of its root rule; `regex_to_ebnf(pattern)` gives a regex's EBNF
+    rules, rooted at `root`. ValueError naming the line for what cannot be rewritten."""
     rules: list[list] = []  # [name, body, line number]
     for number, line in enumerate(grammar.splitlines(), 1):
         text = _strip_comment(line).strip()
@@ -42,18 +43,17 @@ def lark_to_ebnf(grammar: str, regex_to_ebnf) -> str:
         rules.append([match.group(1), match.group(2).strip(), number])
     if not rules:
         raise ValueError("the Lark grammar defines no rule")
-    defined = {name for name, _, _ in rules}
-    root = "start" if "start" in defined else rules[0][0]
-    lines = [f"root ::= {root}"] if root != "root" else []
+    names = {name for name, _, _ in rules}
+    lines = []
     for name, body, number in rules:
         extra: list[str] = []
-        ebnf, used = _body(body, name, extra, regex_to_ebnf, number)
-        undefined = sorted(used - defined)
+        ebnf, used = _body(body, name, names, extra, regex_to_ebnf, number)
+        undefined = sorted(used - {name for name, _, _ in rules})
         if undefined:
             raise ValueError(f"Lark grammar line {number}: rule {name} uses undefined {', '.join(undefined)}")
         lines.append(f"{name} ::= {ebnf}")
         lines.extend(extra)
-    return "\n".join(lines)
+    return "\n".join(lines), "start" if any(name == "start" for name, _, _ in rules) else rules[0][0]
 
 
 def _strip_comment(line: str) -> str:
@@ -79,12 +79,17 @@ def _strip_comment(line: str) -> str:
     return line
 
 
-def _body(body: str, rule: str, extra: list[str], regex_to_ebnf, number: int) -> tuple[str, set[str]]:
-    """A rule's right-hand side in EBNF, and the rule names it uses; its regex terminals' rules go to `extra`."""
-    out, used, depth, regexes = [], set(), 0, 0  # depth: '[' left open
+def _body(body: str, rule: str, names: set[str], extra: list[str], regex_to_ebnf, number: int
+          ) -> tuple[str, set[str]]:
+    """A rule's right-hand side in EBNF, and the rule names it uses; its regex terminals' rules go to `extra`, under
+    names not yet in `names` (which they join)."""
+    out, used, depth = [], set(), 0  # depth: '[' left open
     i = 0
     while i < len(body):
         c = body[i]
+        if (alias := _ALIAS.match(body, i)) is not None:  # a parse-tree name: nothing to match
+            i = alias.end()
+            continue
         if c in "\"'/":
             end = _closing(body, i, number)
             if end + 1 < len(body) and body[end + 1].isalpha():
@@ -92,8 +97,8 @@ def _body(body: str, rule: str, extra: list[str], regex_to_ebnf, number: int) ->
                                  f"({body[i:end + 2]!r:.40}) are not supported")
             literal = body[i + 1:end]
             if c == "/":
-                name = f"{rule}__re{regexes}"
-                regexes += 1
+                name = next(n for k in range(len(names) + 1) if (n := f"{rule}__re{k}") not in names)
+                names.add(name)  # (with the helper rules xgrammar derives from it, name_1, ...)
                 extra.extend(_renamed(regex_to_ebnf(literal.replace("\\/", "/")), name))
                 out.append(name)
             elif c == "'":
@@ -138,6 +143,6 @@ def _closing(body: str, start: int, number: int) -> int:
 def _renamed(ebnf: str, name: str) -> list[str]:
     """A regex's EBNF rules with `root` (and its `root_1`, ... helpers) renamed to `name` (`name_1`, ...), outside
     its strings."""
-    pieces = re.split(r'("(?:[^"\\]|\\.)*")', ebnf)
-    renamed = "".join(p if p.startswith('"') else re.sub(r"\broot(?=\b|_)", name, p) for p in pieces)
+    pieces = re.split(r'("(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\])', ebnf)  # strings and character classes
+    renamed = "".join(p if p[:1] in ('"', "[") else re.sub(r"\broot(?=\b|_)", name, p) for p in pieces)
     return [line for line in renamed.splitlines() if line.strip()]

@@ -79,10 +79,10 @@ def parse_grammar(spec: StructuredOutputsParams) -> Any:
             return xgrammar.Grammar.from_regex(spec.regex)
         if spec.choice is not None:
             return xgrammar.Grammar.from_regex("|".join(_regex_literal(c) for c in spec.choice))
-        grammar = spec.grammar
-        if is_lark(grammar):  # vLLM takes Lark's notation too
-            grammar = lark_to_ebnf(grammar, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
-        return xgrammar.Grammar.from_ebnf(grammar)
+        if is_lark(spec.grammar):  # vLLM takes Lark's notation too
+            ebnf, root = lark_to_ebnf(spec.grammar, lambda pattern: str(xgrammar.Grammar.from_regex(pattern)))
+            return xgrammar.Grammar.from_ebnf(ebnf, root_rule_name=root)
+        return xgrammar.Grammar.from_ebnf(spec.grammar)
     except (RuntimeError, ValueError) as e:  # xgrammar reports a bad schema, regex or grammar as RuntimeError
         raise _cannot_compile(spec, e) from None
 

@@ -84,7 +84,8 @@ def _optional_fields_take_null(model: dict) -> None:
     field a body may leave out takes null too."""
     required = set(model.get("required", ()))
     for name, field in model.get("properties", {}).items():
-        if name in required or any(option.get("type") == "null" for option in field.get("anyOf", ())):
+        typed = "type" in field or "anyOf" in field or "$ref" in field  # (an untyped field takes null already)
+        if name in required or not typed or any(option.get("type") == "null" for option in field.get("anyOf", ())):
             continue
         kept = {key: field.pop(key) for key in ("default", "title", "description") if key in field}
-        model["properties"][name] = {"anyOf": [field, {"type": "null"}], **kept} if field else field
+        model["properties"][name] = {"anyOf": [field, {"type": "null"}], **kept}
