@@ -4,8 +4,8 @@ A grammar with no `::=` is read as Lark (vLLM's test). Its rules (`name: ...`, `
 `.priority` ignored) become `name ::= ...`, lines that start with `|` continue the rule above, an alternative's
 `-> alias` (a parse-tree name) is dropped, `'text'` becomes `"text"`, `[item]` (Lark's optional) becomes `(item)?`,
 and a `/regex/` terminal becomes rules of its own (xgrammar turns the regex into a grammar). The grammar's root is its
-`start` rule, else its first. `//` and `#` start comments. Directives (`%import`, `%ignore`, `%declare`) are refused: they name other grammars or change how text
-is split into terminals, which EBNF has no counterpart for.
+`start` rule, else its first. `//` and `#` start comments. Directives (`%import`, `%ignore`, `%declare`) are
+refused: they name other grammars or change how text is split into terminals, which EBNF has no counterpart for.
 """
 
 from __future__ import annotations
