@@ -129,8 +129,9 @@ class RunnerFuture:
                 heads = [self.states[r] for r in self._first_rows]
                 token_ids, logprobs = self._keep_drafts(rows, row_logprobs)
             grammars = []
+            masked = self.sampled.no_token is not None  # (without masks no row can lack a token: nothing to look for)
             for state, new in zip(heads, token_ids):
-                if NO_TOKEN in new:  # its masks allowed nothing: the request fails (the scheduler drops its tokens)
+                if masked and NO_TOKEN in new:  # its masks allowed nothing: the request fails (the scheduler drops it)
                     self.errors[state.req_id] = ("its grammar, allowed_token_ids, bad words or min_tokens allow no "
                                                  "next token")
                     continue

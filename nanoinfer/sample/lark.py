@@ -43,17 +43,18 @@ def lark_to_ebnf(grammar: str, regex_to_ebnf) -> tuple[str, str]:
         rules.append([match.group(1), match.group(2).strip(), number])
     if not rules:
         raise ValueError("the Lark grammar defines no rule")
-    names = {name for name, _, _ in rules}
+    defined = frozenset(name for name, _, _ in rules)
+    names = set(defined)  # the rules' and, as they are made, the regex terminals' rule names
     lines = []
     for name, body, number in rules:
         extra: list[str] = []
         ebnf, used = _body(body, name, names, extra, regex_to_ebnf, number)
-        undefined = sorted(used - {name for name, _, _ in rules})
+        undefined = sorted(used - defined)
         if undefined:
             raise ValueError(f"Lark grammar line {number}: rule {name} uses undefined {', '.join(undefined)}")
         lines.append(f"{name} ::= {ebnf}")
         lines.extend(extra)
-    return "\n".join(lines), "start" if any(name == "start" for name, _, _ in rules) else rules[0][0]
+    return "\n".join(lines), "start" if "start" in defined else rules[0][0]
 
 
 def _strip_comment(line: str) -> str:
