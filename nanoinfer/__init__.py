@@ -5,6 +5,7 @@ from nanoinfer.engine.beam_search import BeamSearchOutput, BeamSearchParams, Bea
 from nanoinfer.engine.llm import LLM
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.inputs import PromptType, TextPrompt, TokensPrompt
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
                                PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams
@@ -15,4 +16,4 @@ __all__ = ["LLM", "LLMEngine", "EngineArgs", "EngineConfig", "SamplingParams", "
            "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "PromptType", "TextPrompt",
            "TokensPrompt", "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "PoolingRequestOutput",
            "PoolingOutput", "ScoringRequestOutput", "ScoringOutput", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "__version__"]
+           "BeamSearchSequence", "LoRARequest", "__version__"]

@@ -93,6 +93,10 @@ class EngineConfig:
     max_logprobs: int = _arg(20, "most logprobs a request may ask for (logprobs, prompt_logprobs; beam search asks for 2 x its width), as vLLM's; -1: up to the vocabulary")
     speculative_config: dict | None = _arg(None, 'speculative decoding by n-gram lookup, vLLM\'s form: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": N, "prompt_lookup_min": M, "disable_by_batch_size": B}: each step checks up to K draft tokens copied from where the newest N..M tokens occurred before in the prompt or output; the output is unchanged, steps yield up to K + 1 tokens (turns async_scheduling off; default: off)')
     pooler_config: dict | None = _arg(None, 'with runner pooling: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} over what the model folder\'s sentence-transformers files say (default: LAST, normalized)')
+    enable_lora: bool = _arg(False, "serve LoRA adapters: requests name one with a LoRARequest (the server's --lora-modules and a request's model name); their projections add the adapter's B A x")
+    max_loras: int = _arg(1, "most LoRA adapters in one step (each a slot in every adapted layer; requests of other adapters wait)")
+    max_lora_rank: int = _arg(16, "largest LoRA rank an adapter may have (every slot is this wide)")
+    max_cpu_loras: int | None = _arg(None, "LoRA adapters kept loaded in host memory, so one evicted from its slot comes back without reading its files (default: max_loras)")
     reasoning_parser: str | None = _arg(None, "a thinking model's reasoning format: structured outputs then apply after the reasoning ends (</think>), and the server returns the reasoning as the chat message's reasoning_content. qwen3: reasoning when the reply opens with <think> (Qwen3); deepseek_r1: the chat template opens <think> in the prompt (DeepSeek-R1, QwQ, Qwen3 Thinking) (default: none; all is content and a grammar applies from the first token)", tuple(REASONING_PARSERS))
 
     def __post_init__(self) -> None:
@@ -107,7 +111,7 @@ class EngineConfig:
         if self.enable_chunked_prefill is None:  # vLLM's default: decided by the engine (here always on)
             self.enable_chunked_prefill = True
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "async_scheduling",
-                     "trust_remote_code"):
+                     "trust_remote_code", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.enable_chunked_prefill:
@@ -136,6 +140,8 @@ class EngineConfig:
                 raise ValueError("speculative_config applies to runner='generate' only")
         else:
             self.speculative = None
+        if self.enable_lora and self.runner == "pooling":
+            raise ValueError("enable_lora applies to runner='generate' only")
         if self.pooler_config is not None:
             if not isinstance(self.pooler_config, dict):
                 raise TypeError(f"pooler_config must be a dict, got {type(self.pooler_config).__name__}")
@@ -143,14 +149,18 @@ class EngineConfig:
                 raise ValueError("pooler_config applies to runner='pooling' only")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-        positive = ["block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"]
-        positive += [n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_waiting") if getattr(self, n) is not None]
+        positive = ["block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "max_loras",
+                    "max_lora_rank"]
+        positive += [n for n in ("max_model_len", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_waiting",
+                                 "max_cpu_loras") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= -1 (-1: the vocabulary), got {self.max_logprobs!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if self.block_size > 1024:
             raise ValueError(f"block_size must be at most 1024 tokens, got {self.block_size}")
         utilization = self.gpu_memory_utilization

@@ -10,7 +10,8 @@ import enum
 import time
 from concurrent.futures import Future
 
-from nanoinfer.kv_cache.hashing import extend_block_hashes
+from nanoinfer.kv_cache.hashing import extend_block_hashes, first_block_key
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import TokenLogprobs
 from nanoinfer.sampling_params import SamplingParams
 
@@ -49,6 +50,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,6 +58,7 @@ class Request:
         self.max_tokens = max_tokens  # resolved: params.max_tokens or what max_model_len leaves
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -72,7 +75,8 @@ class Request:
         self.num_preemptions = 0
         self.block_size = block_size
         self.block_hashes: list[int] = []
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, cache_salt)
+        self.first_block_key = first_block_key(cache_salt, self.lora_int_id)  # its cache is its tenant's and adapter's
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.first_block_key)
         # The prompt's logprobs as the runner computes them, chunk by chunk (position 0 has none); they leave with
         # the request's first output. A recompute after preemption writes the same values again.
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
@@ -98,6 +102,11 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0: the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
@@ -116,7 +125,7 @@ class Request:
         self.all_token_ids.append(token_id)
         num_tokens, num_output = len(self.all_token_ids), len(self.output_token_ids)
         if num_tokens % self.block_size == 0:  # it completes a block: hash it for the prefix cache
-            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt)
+            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.first_block_key)
         if token_id in self.stop_token_ids and num_output >= self.sampling_params.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
             # As in vLLM: a stop_token_ids hit is reported, an end-of-sequence token is not.

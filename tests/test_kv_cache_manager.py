@@ -6,7 +6,8 @@ from array import array
 import pytest
 
 import nanoinfer.kv_cache.hashing as hashing
-from nanoinfer.kv_cache.hashing import extend_block_hashes, hash_block_tokens
+from nanoinfer.lora.request import LoRARequest
+from nanoinfer.kv_cache.hashing import extend_block_hashes, first_block_key, hash_block_tokens
 from nanoinfer.kv_cache.manager import KVCacheManager
 from nanoinfer.request import Request
 from nanoinfer.sampling_params import SamplingParams
@@ -20,7 +21,7 @@ def make_request(request_id: str, prompt: list[int], cache_salt: str | None = No
 
 def hashes(tokens: list[int], salt: str | None = None, block_size: int = BS) -> list[int]:
     out: list[int] = []
-    extend_block_hashes(out, tokens, block_size, salt)
+    extend_block_hashes(out, tokens, block_size, first_block_key(salt))
     return out
 
 
@@ -77,9 +78,20 @@ def test_incremental_hashing_matches_and_hashes_each_block_once(monkeypatch):
     tokens = [7, 3, 9, 1, 4, 4, 2, 8, 6, 5, 0]
     incremental: list[int] = []
     for n in range(len(tokens) + 1):
-        extend_block_hashes(incremental, tokens[:n], BS, "s")
+        extend_block_hashes(incremental, tokens[:n], BS, first_block_key("s"))
     assert len(calls) == len(tokens) // BS
     assert incremental == hashes(tokens, "s")
+
+
+def test_lora_adapter_is_part_of_the_first_block_key():
+    """An adapter's KV differs from the base model's for the same tokens: its blocks hash apart, from each other
+    adapter's, and from any salt's (0xff, which UTF-8 never holds, leads the adapter's part)."""
+    plain, adapter_1 = first_block_key(None), first_block_key(None, 1)
+    assert len({plain, adapter_1, first_block_key(None, 2), first_block_key("s", 1), first_block_key("s")}) == 5
+    assert first_block_key("s", 1).startswith("s".encode()) and b"\xff" not in "s\u00ff\U0001f600".encode()
+    request = Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8), set(), BS, 8,
+                      lora_request=LoRARequest("a", 1, "/adapters/a"))
+    assert request.block_hashes != hashes([1, 2, 3, 4]) and request.first_block_key == adapter_1
 
 
 def test_request_extends_its_hashes_as_tokens_arrive():

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.kv_cache.block_pool import BlockPool
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import ModelRunnerOutput
 from nanoinfer.request import Request, RequestStatus
 from nanoinfer.sampling_params import SamplingParams
@@ -201,7 +202,7 @@ class Harness:
         self.all_requests: dict[str, Request] = {}
         self.prefix_ids = PrefixIds()
         self.sampler = SAMPLERS[sampler]
-        self.runner = FakeRunner(num_blocks, self.block_size, lambda r: self.all_requests[r].cache_salt,
+        self.runner = FakeRunner(num_blocks, self.block_size, lambda r: self.prefix_key(self.all_requests[r]),
                                  self.prefix_ids, self.sampler)
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
@@ -214,12 +215,18 @@ class Harness:
         self.num_steps = 0
         self._arrival = 0
 
+    @staticmethod
+    def prefix_key(request: Request) -> tuple:
+        """What KV depends on beside the tokens, as the shadow KV sees it: the tenant (salt) and the adapter."""
+        return request.cache_salt, request.lora_int_id
+
     def add(self, request_id: str, prompt: list[int], max_tokens: int = 8, *, priority: int = 0,
-            cache_salt: str | None = None, ignore_eos: bool = True) -> Request:
+            cache_salt: str | None = None, ignore_eos: bool = True, lora: int = 0) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         self._arrival += 1
         request = Request(request_id, prompt, params, {EOS}, self.block_size, max_tokens, priority, cache_salt,
-                          arrival_time=float(self._arrival))
+                          arrival_time=float(self._arrival),
+                          lora_request=LoRARequest(f"adapter-{lora}", lora, "/adapters") if lora else None)
         self.scheduler.add_request(request)
         self.all_requests[request_id] = request
         self.outputs[request_id] = []
@@ -258,6 +265,8 @@ class Harness:
         assert list(scheduled) == order
         assert {c.req_id for c in out.cached_reqs} <= before
         assert not {n.req_id for n in out.new_reqs} & before
+        for new in out.new_reqs:
+            assert new.lora_request is self.all_requests[new.req_id].lora_request, "the runner must hear the adapter"
         if out.new_reqs:  # admitted only after every running request got its share, without preempting
             assert scheduler.num_preemptions == preemptions
             assert all(r.request_id in scheduled or r.request_id in last_in_flight for r in scheduler.running)
@@ -294,8 +303,8 @@ class Harness:
 
     def _record_hashes(self, request: Request) -> None:
         bs = self.block_size
-        ids = self.prefix_ids.extend(self._request_prefix_ids.setdefault(request.request_id, []), request.cache_salt,
-                                     request.all_token_ids)
+        ids = self.prefix_ids.extend(self._request_prefix_ids.setdefault(request.request_id, []),
+                                     self.prefix_key(request), request.all_token_ids)
         for i, block_hash in enumerate(request.block_hashes):
             content = tuple(ids[i * bs : (i + 1) * bs])
             assert self.block_contents.setdefault(block_hash, content) == content, "two block contents share a key"
@@ -458,6 +467,39 @@ def test_cache_salt_blocks_hits_across_tenants():
     h.add("c", tokens(1, 13), max_tokens=2, cache_salt="alice")
     out = h.step()
     assert {n.req_id: n.num_computed_tokens for n in out.new_reqs} == {"b": 0, "c": 12}
+    h.run()
+    h.check_outputs()
+
+
+def test_lora_adapters_never_share_prefix_blocks_with_each_other_or_the_base():
+    h = Harness(num_blocks=64, enable_lora=True, max_loras=2)
+    h.add("base", tokens(1, 13), max_tokens=2)
+    h.add("a", tokens(1, 13), max_tokens=2, lora=1)
+    h.step()
+    h.add("a again", tokens(1, 13), max_tokens=2, lora=1)
+    h.add("b", tokens(1, 13), max_tokens=2, lora=2)
+    h.add("base again", tokens(1, 13), max_tokens=2)
+    out = h.step()
+    assert {n.req_id: n.num_computed_tokens for n in out.new_reqs} == {"a again": 12, "b": 0, "base again": 12}
+    h.run()
+    h.check_outputs()
+
+
+def test_max_loras_holds_back_other_adapters_and_lets_later_requests_pass():
+    """With one slot, adapter 2's request waits while adapter 1 runs; the base model's and adapter 1's requests
+    behind it go first (vLLM's order); it runs once adapter 1's requests are done."""
+    h = Harness(num_blocks=64, enable_lora=True, max_loras=1)
+    h.add("a", tokens(1, 5), max_tokens=4, lora=1)
+    h.add("b", tokens(2, 5), max_tokens=4, lora=2)
+    h.add("base", tokens(3, 5), max_tokens=4)
+    h.add("a2", tokens(4, 5), max_tokens=4, lora=1)
+    out = h.step()
+    assert [n.req_id for n in out.new_reqs] == ["a", "base", "a2"]
+    assert [r.request_id for r in h.scheduler.waiting] == ["b"]
+    for _ in range(3):  # adapter 1's requests decode their last three tokens; b still waits
+        assert "b" not in h.step().num_scheduled_tokens
+    assert h.all_requests["a"].status.is_finished and h.all_requests["a2"].status.is_finished
+    assert "b" in h.step().num_scheduled_tokens  # the slot is free: b runs at once
     h.run()
     h.check_outputs()
 
@@ -627,7 +669,10 @@ def workloads(draw, policy: str):
     # Speculative decoding (synchronous scheduling only) in a third of the runs, its drafts mostly kept under the
     # copying sampler and mostly rejected under the mixing one.
     spec = draw(st.sampled_from([None, None, (1, 1, 1), (2, 3, 1), (4, 2, 2), (3, 2, 1, 2)]))
+    lora = draw(st.booleans())  # LoRA adapters 1-3 (0: the base model), at most max_loras of them running
     config = dict(
+        enable_lora=lora,
+        max_loras=draw(st.integers(1, 2)),
         block_size=block_size,
         max_num_batched_tokens=draw(st.integers(1, 24)),
         max_num_seqs=draw(st.integers(1, 4)),
@@ -648,6 +693,7 @@ def workloads(draw, policy: str):
         st.sampled_from(SALTS),
         st.integers(0, 2),  # priority
         st.booleans(),  # ignore_eos
+        st.sampled_from([0, 0, 1, 2, 3] if lora else [0]),  # adapter
     )
     requests = draw(st.lists(request, min_size=1, max_size=8))
     later_is_urgent = draw(st.booleans())  # priority order opposite to arrival: preemptions hit early arrivals
@@ -662,11 +708,11 @@ def replay(num_blocks, max_model_len, config, num_prefixes, requests, later_is_u
     pending = list(requests)
 
     def add() -> None:
-        which, prefix_len, suffix_len, max_tokens, salt, priority, ignore_eos = pending.pop(0)
+        which, prefix_len, suffix_len, max_tokens, salt, priority, ignore_eos, lora = pending.pop(0)
         n = len(h.all_requests)
         prompt = (prefixes[which][:prefix_len] + tokens(11 * n + 5, suffix_len))[: max_model_len - 1] or [1]
         h.add(f"r{n}", prompt, min(max_tokens, max_model_len - len(prompt)),
-              priority=priority - 3 * n * later_is_urgent, cache_salt=salt, ignore_eos=ignore_eos)
+              priority=priority - 3 * n * later_is_urgent, cache_salt=salt, ignore_eos=ignore_eos, lora=lora)
 
     for op, index in ops:
         if op == "add" and pending:

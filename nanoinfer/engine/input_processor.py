@@ -16,6 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from nanoinfer.config import check_chat_template
 from nanoinfer.inputs import PromptType, content_text
+from nanoinfer.lora.adapter import LoRARegistry
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.pooling_params import PoolerConfig, PoolingParams
 from nanoinfer.request import Request
 from nanoinfer.sample.structured import GrammarCache, GrammarCompiler, parse_grammar
@@ -118,11 +120,14 @@ class EngineLimits:
 class InputProcessor:
     def __init__(self, tokenizer, limits: EngineLimits,
                  grammar_compiler: Callable[[], GrammarCompiler] | None = None,
-                 pooler: PoolerConfig | None = None, hidden_size: int = 0) -> None:
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0,
+                 loras: LoRARegistry | None = None) -> None:
         """`grammar_compiler`: the engine core's, where the core runs in this process (a grammar checked here is
         then compiled for the core too); otherwise a grammar is only parsed here (structured.py).
-        `pooler`: the engine makes embeddings (runner="pooling") of `hidden_size` values."""
+        `pooler`: the engine makes embeddings (runner="pooling") of `hidden_size` values.
+        `loras`: the adapters requests may name (enable_lora), or None."""
         self.tokenizer = tokenizer
+        self.loras = loras
         self.limits = limits
         self.pooler, self.hidden_size = pooler, hidden_size
         self.grammar_compiler = grammar_compiler
@@ -206,10 +211,11 @@ class InputProcessor:
         return token_ids
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                priority: int = 0, cache_salt: str | None = None) -> Admitted:
+                priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> Admitted:
         """The prompt's token ids and the request(s) to add to the core (n children when n > 1; an embedding's
         one, which computes its prompt and nothing more). With truncate_prompt_tokens the prompt keeps its last
-        tokens, and its text becomes theirs. `cache_salt`: also a dict prompt's key, but not both."""
+        tokens, and its text becomes theirs. `cache_salt`: also a dict prompt's key, but not both.
+        `lora_request`: the adapter it runs with (None: the base model)."""
         prompt, text, salt = unpack_prompt(prompt)
         if salt is not None:
             if cache_salt is not None:
@@ -239,6 +245,13 @@ class InputProcessor:
                 cache_salt.encode()
             except UnicodeEncodeError as exc:
                 raise ValueError(f"cache_salt must be valid Unicode text: {exc.reason} at {exc.start}") from None
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine serves no adapters (start it "
+                                 f"with enable_lora=True, the server with --enable-lora)")
+            self.loras.check(lora_request)
         if not pooling:
             params = self._check_sampling(params)
         keep = params.truncate_prompt_tokens
@@ -263,7 +276,7 @@ class InputProcessor:
             child_params = dataclasses.replace(params, n=1, seed=None if params.seed is None else child_seed(params.seed, i))
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(child_id, token_ids, child_params, self.limits.eos_token_ids,
-                                    self.limits.block_size, max_tokens, priority, cache_salt, arrival))
+                                    self.limits.block_size, max_tokens, priority, cache_salt, arrival, lora_request))
         return Admitted(text, token_ids, children)
 
     def _check_sampling(self, params: SamplingParams) -> SamplingParams:

@@ -19,6 +19,7 @@ from nanoinfer.engine.core import defer_full_collections
 from nanoinfer.engine.input_processor import unpack_prompt
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.inputs import PromptType
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import (EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
                                ScoringOutput, ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
@@ -108,12 +109,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order. Without `sampling_params`, the model's
         defaults (`get_default_sampling_params`); `priority`: one per prompt (lower runs first), under
-        scheduling_policy="priority" only: otherwise a non-zero priority is a ValueError (as vLLM's)."""
+        scheduling_policy="priority" only: otherwise a non-zero priority is a ValueError (as vLLM's);
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model; enable_lora)."""
         return self._submit(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params,
-                            use_tqdm, priority)
+                            use_tqdm, priority, lora_request)
 
     def get_tokenizer(self):
         """The engine's tokenizer (a transformers tokenizer), as vLLM's: for chat templates, counting tokens or
@@ -165,9 +168,10 @@ class LLM:
                 for k, (i, j) in enumerate(pairs)]
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, *, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam search: for each prompt, the `params.beam_width` best sequences (prompt included), best
-        first. Each step runs every live beam as a one-token request (nanoinfer/engine/beam_search.py)."""
+        first. Each step runs every live beam as a one-token request (nanoinfer/engine/beam_search.py), with the
+        LoRA adapter `lora_request` if given."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
         engine = self.llm_engine
@@ -183,7 +187,7 @@ class LLM:
         while beams := live_beams(searches):
             advance_all(beams, self.generate([{"prompt_token_ids": beam.tokens, "cache_salt": search.cache_salt}
                                               for search, beam in beams],
-                                             params.step_params(), use_tqdm=False))
+                                             params.step_params(), use_tqdm=False, lora_request=lora_request))
             bar.update(1)
         bar.close()
         results = []
@@ -195,24 +199,27 @@ class LLM:
         return results
 
     def _submit(self, prompts: PromptType | Sequence[PromptType], params: Any, use_tqdm: bool,
-                priority: Sequence[int] | None = None) -> list:
-        """Add every prompt with its params (one for all, or one each) and priority, and run them to the end, all
-        or none."""
+                priority: Sequence[int] | None = None, lora_request: Any = None) -> list:
+        """Add every prompt with its params, priority and LoRA adapter (each: one for all, or one per prompt), and
+        run them to the end, all or none."""
         prompts = _prompt_list(prompts)
         params = [params] * len(prompts) if isinstance(params, (SamplingParams, PoolingParams)) else list(params)
         priority = [0] * len(prompts) if priority is None else list(priority)
-        if not len(params) == len(priority) == len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} params and {len(priority)} priorities")
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if not len(params) == len(priority) == len(loras) == len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} params, {len(priority)} priorities and "
+                             f"{len(loras)} LoRA requests")
         # All are added before any runs: a call that max_num_waiting could never queue is refused as a whole.
         self.llm_engine.limits.check_waiting_room(0, sum(p.n if isinstance(p, SamplingParams) else 1 for p in params))
         ids = [str(next(self._ids)) for _ in prompts]
         with defer_full_collections():
             try:
-                for request_id, prompt, p, rank in zip(ids, prompts, params, priority):
+                for request_id, prompt, p, rank, lora in zip(ids, prompts, params, priority, loras):
                     self._inbox[request_id] = []
                     if isinstance(p, SamplingParams):
                         p = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                    self.llm_engine.add_request(request_id, prompt, p, priority=rank)
+                    self.llm_engine.add_request(request_id, prompt, p, priority=rank, lora_request=lora)
                 return self._run(ids, use_tqdm)
             finally:  # all or nothing: after an error (or Ctrl-C) the requests added are taken back
                 self._forget(ids)
@@ -271,12 +278,13 @@ class LLM:
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, continue_final_message: bool = False,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, *, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the model's chat template (or
         `chat_template`, a Jinja template's text); `tools`: the functions the template offers the model (OpenAI's
         {"type": "function", "function": {...}} form); `chat_template_kwargs`: more template variables (e.g.
         Qwen3's {"enable_thinking": False}); `continue_final_message`: the reply continues the last (assistant's)
-        message instead of starting anew. Each output's `prompt` is the rendered conversation."""
+        message instead of starting anew; `lora_request`: the LoRA adapter that replies. Each output's `prompt` is
+        the rendered conversation."""
         if isinstance(messages, list) and messages and isinstance(messages[0], Mapping):
             messages = [messages]
         if not isinstance(messages, list):
@@ -284,7 +292,7 @@ class LLM:
                             f"them, got {type(messages).__name__}; for plain text use generate()")
         prompts = [self._render_chat(c, add_generation_prompt, tools, chat_template_kwargs, continue_final_message,
                                      chat_template) for c in messages]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
@@ -300,9 +308,11 @@ class LLM:
         return self.llm_engine.input_processor.render_chat(messages, add_generation_prompt, continue_final_message,
                                                        tools, chat_template_kwargs, chat_template)
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text as it is produced (stop strings never leak). Streams may be
-        read interleaved with each other and with `generate`: each gets its own request's text."""
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None, *,
+               lora_request: LoRARequest | None = None) -> Iterator[str]:
+        """Generate for one prompt (with the LoRA adapter `lora_request` if given), yielding text as it is produced
+        (stop strings never leak). Streams may be read interleaved with each other and with `generate`: each gets
+        its own request's text."""
         if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
             raise ValueError(f"stream() yields one completion's text, so n must be 1 (got {sampling_params.n}); "
                              f"generate() returns n completions")
@@ -316,14 +326,15 @@ class LLM:
                              "tokenizer=PATH); generate() returns the token ids")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()  # a pooling engine refuses it: no text to stream
-        return self._stream(str(next(self._ids)), prompt, sampling_params)
+        return self._stream(str(next(self._ids)), prompt, sampling_params, lora_request)
 
-    def _stream(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None) -> Iterator[str]:
+    def _stream(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None,
+                lora_request: LoRARequest | None) -> Iterator[str]:
         self._inbox[request_id] = []
         try:
             if isinstance(sampling_params, SamplingParams):
                 sampling_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
-            self.llm_engine.add_request(request_id, prompt, sampling_params)
+            self.llm_engine.add_request(request_id, prompt, sampling_params, lora_request=lora_request)
             for out in self._outputs([request_id]):
                 if out.outputs[0].text:
                     yield out.outputs[0].text

@@ -15,6 +15,8 @@ from nanoinfer.engine.input_processor import InputProcessor
 from nanoinfer.inputs import PromptType
 from nanoinfer.engine.output_processor import OutputProcessor
 from nanoinfer.loader.resolve import ModelSource, resolve_model
+from nanoinfer.lora.adapter import admission_registry
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.request import RequestStatus
@@ -56,7 +58,8 @@ class LLMEngine:
         self.limits = self.core.limits()
         self.pooler = source.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.limits, self.core.runner.grammar_compiler,
-                                              self.pooler, source.hf_config.hidden_size)
+                                              self.pooler, source.hf_config.hidden_size,
+                                              admission_registry(config, source.hf_config))
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
         self.default_sampling = source.default_sampling
         self._admissions = itertools.count()
@@ -78,9 +81,10 @@ class LLMEngine:
         return SamplingParams(**self.default_sampling)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None, *,
-                    priority: int = 0, cache_salt: str | None = None) -> str:
+                    priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Admit a request under the caller's `request_id` (returned); its outputs are as `params.output_kind`
-        says. `priority` and `cache_salt` are keywords (vLLM's fourth argument is another). In the core it gets an
+        says. `priority`, `cache_salt` and `lora_request` (its adapter) are keywords (vLLM's fourth argument is
+        another). In the core it gets an
         id of its own (the caller's plus an admission number), so that an id used again after an abort never
         receives tokens that the earlier request's step, still in flight, sampled."""
         if not isinstance(request_id, str):
@@ -91,7 +95,7 @@ class LLMEngine:
             params = dataclasses.replace(params)  # validated again (a field may have been set after construction)
         params = params or (PoolingParams() if self.pooler else self.default_sampling_params())
         admitted = self.input_processor.process(f"{request_id}@{next(self._admissions)}", prompt, params, priority,
-                                                cache_salt)
+                                                cache_salt, lora_request)
         self.limits.check_waiting_room(len(self.core.scheduler.waiting), len(admitted.children))
         output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         self.output_processor.add_request(request_id, admitted.prompt, admitted.prompt_token_ids, params,

@@ -1,6 +1,7 @@
 """Prefix-cache keys. A block's hash covers its parent's hash, its own token ids
-and, for a request's first block, an optional salt, so equal hashes mean equal
-whole prefixes and a salt isolates one tenant's cache from another's."""
+and, for a request's first block, an optional salt and LoRA adapter, so equal
+hashes mean equal whole prefixes computed by the same weights, and a salt
+isolates one tenant's cache from another's."""
 
 from __future__ import annotations
 
@@ -19,8 +20,15 @@ def hash_block_tokens(parent_hash: int | None, token_bytes: bytes, extra: bytes 
     return h.intdigest()
 
 
-def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block_size: int, salt: str | None) -> None:
-    """Append hashes for every newly completed full block of `token_ids`.
+def first_block_key(salt: str | None, lora_int_id: int | None = None) -> bytes:
+    """What a request's first block is hashed with beside its tokens: its cache_salt's UTF-8 bytes, then its LoRA
+    adapter's id after a 0xff byte (which UTF-8 never holds, so no salt can spell an adapter)."""
+    key = salt.encode() if salt else b""
+    return key + (b"\xff" + lora_int_id.to_bytes(8, "little") if lora_int_id else b"")
+
+
+def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block_size: int, first_key: bytes) -> None:
+    """Append hashes for every newly completed full block of `token_ids` (`first_key`: `first_block_key`'s).
 
     Called as tokens arrive, so each block is hashed exactly once in a request's life."""
     first = len(block_hashes) * block_size
@@ -31,5 +39,4 @@ def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block
     width = 8 * block_size
     for offset in range(0, len(data), width):
         parent = block_hashes[-1] if block_hashes else None
-        extra = salt.encode() if (salt and parent is None) else b""
-        block_hashes.append(hash_block_tokens(parent, data[offset : offset + width], extra))
+        block_hashes.append(hash_block_tokens(parent, data[offset : offset + width], first_key if parent is None else b""))

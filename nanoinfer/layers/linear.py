@@ -14,6 +14,10 @@ per-row scale is left to the kernel after the matmul (`DeferredNorm`), and the
 row-parallel matmul adds into the stream (cuBLAS's beta = 1, or our kernels'
 epilogues): the decoder's norms and residual adds cost no kernels of their own.
 
+With LoRA adapters enabled, each layer also holds its adapters' slots (`lora`, nanoinfer/lora/layers.py) and
+adds each token's adapter delta to the matmul's output, before the deferred norm scale and the all-reduce (both
+linear, so they apply to the delta as they do to the product).
+
 Every forward's matmul goes through `nanoinfer.layers.skinny_dispatch.linear`:
 `F.linear`, except for decode-sized inputs on a GPU where the start-up tuning
 found the skinny Triton kernel faster.
@@ -27,6 +31,7 @@ from torch import nn
 from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_rank, tp_world_size
 from nanoinfer.layers.layernorm import DeferredNorm
 from nanoinfer.layers.skinny_dispatch import linear
+from nanoinfer.lora.layers import LoRASlots
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -79,6 +84,7 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.lora: LoRASlots | None = None  # set by the runner's LoRAModelManager when enable_lora
 
 
 class ColumnParallelLinear(LinearBase):
@@ -88,6 +94,7 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, divide(output_size, tp_world_size(), "output_size"), bias)
+        self.norm_weight: torch.Tensor | None = None  # the folded norm's weight (LoRA's A is folded with it too)
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         """(offset, size) along dim 0 of this rank's parameter that checkpoint shard `shard_id` fills."""
@@ -102,10 +109,14 @@ class ColumnParallelLinear(LinearBase):
     def fold_norm(self, norm_weight: torch.Tensor) -> None:
         """W[:, i] *= g[i], rounded once: RMSNorm(h) W^T = r * (h (W * g)^T) for the norm's weight g."""
         self.weight.copy_((self.weight.float() * norm_weight.float()).to(self.weight.dtype))
+        self.norm_weight = norm_weight.detach()  # (a plain tensor: not a second parameter of this layer)
 
     def forward(self, hidden: torch.Tensor, eps: float) -> tuple[torch.Tensor, DeferredNorm]:
         """(h W^T, what the kernel after the matmul applies: the norm's scale of each row, then the bias)."""
-        return linear(hidden, self.weight), DeferredNorm(hidden, eps, self.bias)
+        out = linear(hidden, self.weight)
+        if self.lora is not None:
+            self.lora.add_to(out, hidden)
+        return out, DeferredNorm(hidden, eps, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -165,7 +176,10 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The residual stream with this layer's output added: in place on one GPU (the matmul's epilogue)."""
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, residual=residual)
+            out = linear(x, self.weight, self.bias, residual=residual)
+            return out if self.lora is None else self.lora.add_to(out, x)
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
         partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.lora is not None:  # this rank's input shard through its A shard: the all-reduce sums the parts
+            self.lora.add_to(partial, x)
         return reduce_partial(partial, residual, self.all_reduce_slot)

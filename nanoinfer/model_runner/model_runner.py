@@ -22,6 +22,7 @@ from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
+from nanoinfer.lora.model_manager import LoRAModelManager
 from nanoinfer.model_runner.block_table import BlockTable
 from nanoinfer.model_runner.cuda_graph import CUDAGraphRunner
 from nanoinfer.model_runner.output import NO_TOKEN, RunnerFuture, copy_to_host, stack_rows
@@ -77,6 +78,10 @@ class ModelRunner:
         load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
         self.pooler = None if pooler is None else Pooler(pooler.pooling_type)
         self.model = load_model(model_path, hf_config, load_format, dtype, device, needs_lm_head=self.pooler is None)
+        # LoRA slots are allocated now, so the KV cache sizing counts them. A step has at most this many tokens.
+        self.lora = LoRAModelManager(self.model, hf_config, config, max(config.max_num_batched_tokens,
+                                                                        config.max_num_seqs), dtype, device) \
+            if config.enable_lora else None
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = BlockTable()
@@ -284,10 +289,13 @@ class ModelRunner:
         max_query_len = int(np.diff(attn_qsl).max())
         decode_only = max_query_len == 1
         seq_order = np.argsort(-attn_seq_lens, kind="stable").astype(np.int32) if decode_only else np.zeros(0, np.int32)
+        lora_slots = np.repeat(self._lora_slots(states), counts) if self.lora is not None else np.zeros(0, np.int32)
         (slot_mapping_gpu, query_start_loc_gpu, seq_lens_gpu, block_tables_gpu, input_ids_gpu, positions_gpu,
-         logits_indices_gpu, pending_gpu, seq_order_gpu) = to_device_many(
+         logits_indices_gpu, pending_gpu, seq_order_gpu, lora_slots_gpu) = to_device_many(
             [slot_mapping, attn_qsl.astype(np.int32), attn_seq_lens.astype(np.int32), attn_tables,
-             input_ids, positions, logits_indices, pending_rows, seq_order], self.device)
+             input_ids, positions, logits_indices, pending_rows, seq_order, lora_slots], self.device)
+        if self.lora is not None:
+            self.lora.set_mapping(lora_slots_gpu)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping_gpu,
             query_start_loc=query_start_loc_gpu,
@@ -312,6 +320,22 @@ class ModelRunner:
                 for j in range(len(d) + 1)]
         return inputs._replace(sample_states=[s for s, _ in rows], output_index=[i for _, i in rows],
                                drafts=sampled_drafts)
+
+    def _lora_slots(self, states: list[CachedRequestState]) -> np.ndarray:
+        """Each request's adapter slot (-1: the base model), once the step's adapters are in slots. A request
+        whose adapter cannot be loaded (its folder changed since admission) runs without it and fails at its next
+        sampling, alone."""
+        loras = {s.lora_request.lora_int_id: s.lora_request for s in states if s.lora_request is not None}
+        if not loras:
+            return np.full(len(states), -1, dtype=np.int32)
+        slot_of, failed = self.lora.activate(loras)
+        slots = []
+        for s in states:
+            lora_id = 0 if s.lora_request is None else s.lora_request.lora_int_id
+            if lora_id in failed:
+                s.lora_error = failed[lora_id]
+            slots.append(slot_of.get(lora_id, -1))
+        return np.array(slots, dtype=np.int32)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerFuture | None:
@@ -345,6 +369,7 @@ class ModelRunner:
         # feed them to the next step before anyone has read them back (async scheduling).
         if tp_rank() == 0:
             sampled, errors = self._sample(logits, sample_states, output_index)
+            errors.update((s.req_id, s.lora_error) for s in sample_states if s.lora_error is not None)
             token_ids = sampled.sampled_token_ids
         else:
             token_ids = torch.empty(len(sample_states), dtype=torch.long, device=self.device)

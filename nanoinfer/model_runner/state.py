@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.sampling_params import SamplingParams
 from nanoinfer.scheduler.output import NewRequestData
 
@@ -29,6 +30,8 @@ class CachedRequestState:
     allowed_mask: torch.Tensor | None = None  # its allowed_token_ids as a [vocab] bool mask, from its first sampling
     pooled: torch.Tensor | None = None  # runner="pooling", MEAN / CLS: what its prompt's chunks so far pooled to
     spare_generators: list[torch.Generator] = field(default_factory=list)  # seeded: rows 1.. of a speculative step
+    lora_request: LoRARequest | None = None  # its adapter (enable_lora)
+    lora_error: str | None = None  # why its adapter could not be loaded: it fails at its next sampling
 
     @property
     def sampling_varies(self) -> bool:
@@ -47,7 +50,7 @@ class CachedRequestState:
         p = new.sampling_params
         reads_output = p.structured_outputs is not None or any(len(w) > 1 for w in p.bad_words_token_ids or ())
         return cls(new.req_id, list(new.all_token_ids), new.prompt_len, p, table_row, new.num_computed_tokens,
-                   generator, reads_output)
+                   generator, reads_output, lora_request=new.lora_request)
 
     def bad_word_ids(self) -> set[int]:
         """The tokens its bad words ban next: each word's last token where the output ends with the rest of it."""

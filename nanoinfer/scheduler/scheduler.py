@@ -5,6 +5,9 @@ fresh prompt needs many (a prefill, chunked when it does not fit the budget),
 a generating request needs one. All of them share one forward pass. Blocks are
 allocated lazily for exactly the tokens scheduled; when the pool runs dry the
 lowest-priority (FCFS: latest) running request is preempted by recompute.
+With LoRA adapters, the running requests use at most `max_loras` adapters (the
+runner's slots): a waiting request of another adapter waits, and the ones
+behind it go first.
 
 With speculative decoding a generating request also carries draft tokens
 (`spec_token_ids`, proposed from its own tokens after each step): they are
@@ -190,9 +193,13 @@ class Scheduler:
             index += 1
 
         # Admit waiting requests only when nothing had to be preempted this step.
-        not_ready = []  # requests whose grammar still compiles (structured outputs): they keep their place
+        not_ready = []  # grammars still compiling (structured outputs), adapters without a slot: they keep their place
+        loras = {r.lora_int_id for r in self.running} - {0} if self.config.enable_lora else set()
         while not preempted_any and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                not_ready.append(self.waiting.pop())
+                continue
             if request.grammar is not None:
                 if not request.grammar.done():
                     not_ready.append(self.waiting.pop())
@@ -213,6 +220,8 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_int_id:
+                loras.add(request.lora_int_id)
             out.new_reqs.append(
                 NewRequestData(
                     req_id=request.request_id,
@@ -221,6 +230,7 @@ class Scheduler:
                     sampling_params=request.sampling_params,
                     block_ids=kv.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit,
+                    lora_request=request.lora_request,
                 )
             )
             self._count_scheduled(request, num_new, out)
@@ -323,5 +333,7 @@ class Scheduler:
             assert req_id in self.requests, f"blocks held by unknown request {req_id}"
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
+        loras = {r.lora_int_id for r in self.running} - {0}
+        assert len(loras) <= (self.config.max_loras if self.config.enable_lora else 0), f"running adapters {loras}"
         for request in self.waiting:
             assert request.request_id not in self.kv_cache_manager.req_to_blocks, f"waiting {request.request_id} holds blocks"

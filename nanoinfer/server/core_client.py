@@ -22,6 +22,8 @@ from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.input_processor import Admitted, EngineLimits, InputProcessor
 from nanoinfer.engine.llm_engine import load_model_and_tokenizer
 from nanoinfer.engine.output_processor import OutputProcessor
+from nanoinfer.lora.adapter import admission_registry
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import RequestOutput
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.request import RequestStatus
@@ -121,7 +123,8 @@ class CoreClient:
         self.limits = EngineLimits(**(limits | {"eos_token_ids": set(limits["eos_token_ids"])}))
         self.pooler = source.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.limits, pooler=self.pooler,
-                                              hidden_size=source.hf_config.hidden_size)
+                                              hidden_size=source.hf_config.hidden_size,
+                                              loras=admission_registry(self.config, source.hf_config))
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._output_loop())
@@ -179,14 +182,15 @@ class CoreClient:
     # ----- requests in -----
 
     def admit(self, request_id: str, prompts: list[str | list[int]], params: SamplingParams | PoolingParams,
-              priority: int = 0, cache_salt: str | None = None) -> list[Admitted]:
+              priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None
+              ) -> list[Admitted]:
         """Validate and tokenize one API call's prompts (request i is `{request_id}-{i}`): each prompt's text,
         token ids and child requests. Reads the tokenizer and the limits only, so the server runs it in its
         tokenizer thread. Raises ValueError / TypeError for bad input."""
         # Bound the fan-out before any work per prompt or child: each child asks for at least one token.
         if isinstance(params, SamplingParams):
             self.check_output_tokens(params.n * len(prompts) * (params.max_tokens or 1))
-        admitted = [self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt)
+        admitted = [self.input_processor.process(f"{request_id}-{i}", prompt, params, priority, cache_salt, lora_request)
                     for i, prompt in enumerate(prompts)]
         if isinstance(params, SamplingParams):
             self.check_output_tokens(sum(child.max_tokens for a in admitted for child in a.children),

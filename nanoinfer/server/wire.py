@@ -10,6 +10,7 @@ from typing import Any
 
 import msgpack
 
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import EngineCoreOutput, TokenLogprobs
 from nanoinfer.request import Request
 from nanoinfer.sampling_params import SamplingParams
@@ -44,14 +45,16 @@ def encode_request(request: Request) -> dict:
         "priority": request.priority,
         "cache_salt": request.cache_salt,
         "arrival_time": request.arrival_time,  # time.monotonic(): one clock for all processes on a host
+        "lora_request": None if request.lora_request is None else dataclasses.asdict(request.lora_request),
     }
 
 
 def decode_request(data: dict, eos_token_ids: set[int], block_size: int) -> Request:
     """The core's copy of a request the API process validated; the core's own limits fill in the rest."""
+    lora = data["lora_request"]
     return Request(data["request_id"], data["prompt_token_ids"], SamplingParams(**data["sampling_params"]),
                    eos_token_ids, block_size, data["max_tokens"], data["priority"], data["cache_salt"],
-                   data["arrival_time"])
+                   data["arrival_time"], lora and LoRARequest(**lora))
 
 
 def _encode_logprobs(logprobs: list[TokenLogprobs | None] | None) -> list | None:

@@ -1,0 +1,48 @@
+"""Every adapter slot's weights for one linear layer, and the delta they add to its output.
+
+A step's tokens may each use a different adapter (or none), so the layer cannot run one adapter's matmuls;
+instead all slots' A matrices are stacked into one [subs x slots x rank, in] matrix and all B matrices into one
+[out, subs x slots x rank] matrix (block diagonal over the packed sub-projections: q/k/v, gate/up), and a
+token's shrunk row is zeroed outside its own slot's columns by a [tokens, slots] one-hot `mapping` before the
+expand. Two matmuls per layer whatever the mix of adapters, the same shapes every step (so CUDA graphs hold
+them), and at `max_loras x max_lora_rank` columns a few percent of the layer's own matmul."""
+
+from __future__ import annotations
+
+import torch
+
+
+class LoRASlots:
+    def __init__(self, in_features: int, out_slices: list[tuple[int, int]], out_features: int, num_slots: int,
+                 max_rank: int, mapping: torch.Tensor) -> None:
+        """`out_slices`: (offset, size) of each packed sub-projection in this rank's output; `mapping`: the
+        runner's [max tokens, num_slots] one-hot buffer, filled each step (`LoRAModelManager.set_mapping`)."""
+        self.out_slices, self.num_slots, self.max_rank = out_slices, num_slots, max_rank
+        width = len(out_slices) * num_slots * max_rank
+        self.lora_a = torch.zeros(width, in_features, dtype=mapping.dtype, device=mapping.device)
+        self.lora_b = torch.zeros(out_features, width, dtype=mapping.dtype, device=mapping.device)
+        self.mapping = mapping
+
+    def _columns(self, sub: int, slot: int) -> slice:
+        start = (sub * self.num_slots + slot) * self.max_rank
+        return slice(start, start + self.max_rank)
+
+    def clear(self, slot: int) -> None:
+        for sub in range(len(self.out_slices)):
+            self.lora_a[self._columns(sub, slot)] = 0
+            self.lora_b[:, self._columns(sub, slot)] = 0
+
+    def write(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """One adapter's A [r, in] and (scaled) B [sub's out, r], this rank's shards, into `slot`."""
+        columns = self._columns(sub, slot)
+        rank = a.shape[0]
+        offset, size = self.out_slices[sub]
+        self.lora_a[columns.start : columns.start + rank] = a
+        self.lora_b[offset : offset + size, columns.start : columns.start + rank] = b
+
+    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out += each token's own adapter's B A x (in place; returned)."""
+        tokens = x.shape[0]
+        shrunk = torch.mm(x, self.lora_a.t()).view(tokens, len(self.out_slices), self.num_slots, self.max_rank)
+        shrunk.mul_(self.mapping[:tokens, None, :, None])
+        return out.addmm_(shrunk.view(tokens, -1), self.lora_b.t())
