@@ -40,8 +40,9 @@ def module_shapes(config: dict) -> dict[str, tuple[int, int]]:
 
 def make_adapter(folder, base: str, seed: int, rank: int = 4, alpha: float = 8, modules=MODULES,
                  **config_fields) -> str:
-    """A random PEFT adapter for the model in `base` (B not zero, unlike a fresh PEFT init)."""
-    with open(os.path.join(base, "config.json")) as f:
+    """A random PEFT adapter for the model in `base`, a model folder or its config.json (B not zero, unlike a
+    fresh PEFT init)."""
+    with open(base if base.endswith(".json") else os.path.join(base, "config.json")) as f:
         config = json.load(f)
     shapes = module_shapes(config)
     generator = torch.Generator().manual_seed(seed)

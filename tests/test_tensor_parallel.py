@@ -216,6 +216,30 @@ def test_tp2_speculative_decoding_equals_tp1(tiny_qwen3, tiny_reference) -> None
         llm.close()
 
 
+def test_tp2_serves_lora_adapters_as_tp1(tiny_qwen3, tmp_path) -> None:
+    """Column-parallel layers hold their B shard (A whole, folded with the norm), row-parallel ones their A shard
+    (the all-reduce sums the parts); one slot, so adapters take turns and every rank reloads it alike."""
+    from test_lora import make_adapter, perturbed
+
+    base = perturbed(tiny_qwen3, tmp_path / "base")
+    a = make_adapter(tmp_path / "a", base, seed=1)
+    b = make_adapter(tmp_path / "b", base, seed=2, rank=8, modules=("q_proj", "o_proj", "down_proj"))
+    loras = [nanoinfer.LoRARequest("a", 1, a), None, nanoinfer.LoRARequest("b", 2, b)] * 2
+    kwargs = dict(device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8, **PRESSURE)
+    single = LLM(base, **kwargs)
+    reference = [o.outputs[0].token_ids for o in single.generate(tiny_prompts(), greedy(), use_tqdm=False,
+                                                                 lora_request=loras)]
+    plain = [o.outputs[0].token_ids for o in single.generate(tiny_prompts(), greedy(), use_tqdm=False)]
+    single.close()
+    assert all((ours == theirs) == (lora is None) for ours, theirs, lora in zip(reference, plain, loras))
+    llm = LLM(base, tensor_parallel_size=2, **kwargs)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(tiny_prompts(), greedy(), use_tqdm=False,
+                                                              lora_request=loras)] == reference
+    finally:
+        llm.close()
+
+
 def test_tp3_equals_tp1_on_smollm2() -> None:
     """The embedded GGUF (converted folder): 9/3 heads split three ways."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

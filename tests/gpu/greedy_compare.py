@@ -23,8 +23,9 @@ def prompts(n: int = 32) -> list[list[int]]:
     return [[rng.randint(0, 10000) for _ in range(rng.randint(5, 300))] for _ in range(n)]
 
 
-def greedy(model: str, **engine_args) -> list:
-    """The CompletionOutputs of 64 greedy tokens for each of 32 prompts, with top-5 logprobs."""
+def greedy(model: str, lora_request=None, **engine_args) -> list:
+    """The CompletionOutputs of 64 greedy tokens for each of 32 prompts, with top-5 logprobs (`lora_request`: as
+    `LLM.generate` takes it)."""
     from nanoinfer import LLM
 
     # 4096 tokens per step (the 32 prompts prefill in two steps): the offline default (16,384 on a large GPU)
@@ -32,7 +33,8 @@ def greedy(model: str, **engine_args) -> list:
     engine_args = {"max_model_len": 2048, "gpu_memory_utilization": 0.4, "max_num_batched_tokens": 4096, **engine_args}
     llm = LLM(model, **engine_args)
     try:
-        return [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False)]
+        return [o.outputs[0] for o in llm.generate(prompts(), greedy_params(), use_tqdm=False,
+                                                   lora_request=lora_request)]
     finally:
         llm.close()
         del llm

@@ -110,6 +110,28 @@ def test_mixed_steps_replay_graphs_and_equal_reference_fp32(fp32_reference: list
         free_gpu_memory()
 
 
+def test_lora_adapters_in_graphs_equal_the_reference_path_fp32(fp32_reference: list, tmp_path, monkeypatch) -> None:
+    """Two adapters (one on every projection, one on q/v/down) and the base model, mixed in every step: the
+    CUDA graphs hold the LoRA matmuls and read each step's token -> slot mapping; their greedy tokens are the
+    PyTorch reference path's with the same adapters."""
+    from test_lora import make_adapter
+
+    from nanoinfer import LoRARequest
+
+    adapters = [LoRARequest("a", 1, make_adapter(tmp_path / "a", CONFIG, seed=1, rank=8)),
+                LoRARequest("b", 2, make_adapter(tmp_path / "b", CONFIG, seed=2, rank=16,
+                                                 modules=("q_proj", "v_proj", "down_proj"))), None]
+    loras = [adapters[i % 3] for i in range(len(prompts()))]
+    lora_args = dict(load_format="dummy", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16)
+    reference = greedy(CONFIG, lora_request=loras, **REFERENCE_PATH, **lora_args)
+    assert_greedy_close([out for out, lora in zip(fp32_reference, loras) if lora is None],
+                        [out for out, lora in zip(reference, loras) if lora is None])  # the base's rows: no delta
+    assert sum(a.token_ids != b.token_ids for a, b in zip(reference, fp32_reference)) >= len(prompts()) // 2
+    steps = record_mixed_steps(monkeypatch)
+    assert_greedy_close(reference, greedy(CONFIG, lora_request=loras, **lora_args))
+    assert steps
+
+
 def test_prompt_logprobs_in_mixed_step_graphs_equal_the_reference_path_fp32(monkeypatch) -> None:
     """prompt_logprobs read every prompt row of a step's hidden states: through mixed-step graph replays (chunks
     of 256 tokens beside decodes) they equal the PyTorch reference path's."""
