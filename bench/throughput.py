@@ -2,7 +2,7 @@
 256 sequences, seed 0, prompts of 100-1024 random token ids, temperature 0.6,
 ignore_eos, max_tokens 100-1024; Qwen3-0.6B shape with dummy weights.
 
-    python bench/throughput.py [--peer hf] [--repeat N] [engine flags]
+    python bench/throughput.py [--peer hf] [--repeat N] [--loras N] [engine flags]
 
 The figure is the first timed run's, on a fresh cache (its free queue hands out
 blocks in order). --repeat N times the workload N - 1 more times in the same
@@ -14,6 +14,10 @@ a while, and they cost seconds where a new process costs half a minute.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
+import tempfile
 import time
 from random import randint, seed
 
@@ -45,9 +49,28 @@ def warm_up(engine) -> None:
         engine.step()
 
 
+def lora_requests(args, folder: str) -> list | None:
+    """--loras N: N random adapters of rank max_lora_rank on every projection (the LoRA tests' `make_adapter`),
+    request i taking adapter i % N; the engine gets enable_lora and max_loras >= N. None without --loras."""
+    if not args.loras:
+        return None
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from test_lora import make_adapter
+
+    from nanoinfer import LoRARequest
+
+    args.enable_lora, args.max_loras = True, max(args.max_loras, args.loras)
+    adapters = [LoRARequest(f"bench-{i}", i + 1, make_adapter(os.path.join(folder, str(i)), args.model, seed=i,
+                                                              rank=args.max_lora_rank, alpha=args.max_lora_rank))
+                for i in range(args.loras)]
+    return [adapters[i % args.loras] for i in range(args.num_seqs)]
+
+
 def run_nanoinfer(args) -> dict:
     from nanoinfer import LLM
 
+    folder = tempfile.mkdtemp(prefix="bench-loras-")
+    loras = lora_requests(args, folder)
     llm = LLM(**engine_kwargs(args))
     prompts, params = workload(args.num_seqs, args.sampling)
     warm_up(llm.llm_engine)
@@ -55,7 +78,8 @@ def run_nanoinfer(args) -> dict:
     for i in range(args.repeat):
         if i and not llm.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: a request still holds blocks")
-        runs.append(timed_run(llm, prompts, params, args))
+        runs.append(timed_run(llm, prompts, params, args, loras))
+    shutil.rmtree(folder)
     core = llm.llm_engine.core
     figures = {"engine": "nanoinfer", "num_seqs": args.num_seqs, **runs[0], "kv_blocks": core.num_blocks,
                "preemptions": core.scheduler.num_preemptions}
@@ -66,10 +90,10 @@ def run_nanoinfer(args) -> dict:
     return figures
 
 
-def timed_run(llm, prompts, params, args) -> dict:
+def timed_run(llm, prompts, params, args, loras: list | None = None) -> dict:
     steps = _time_steps(llm.llm_engine.core) if args.step_stats else None
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm, lora_request=loras)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"output_tokens": tokens, "seconds": round(elapsed, 3), "output_tok_per_s": round(tokens / elapsed, 1),
@@ -176,6 +200,9 @@ def main() -> None:
     p.add_argument("--sampling", type=json.loads, default=None,
                    help='JSON of SamplingParams fields for every request, e.g. \'{"repetition_penalty": 1.1}\': a '
                         'variant of the workload (the reference figure is without it)')
+    p.add_argument("--loras", type=int, default=0,
+                   help="serve N random LoRA adapters (rank --max-lora-rank), request i with adapter i %% N: a "
+                        "variant of the workload measuring LoRA's cost (the reference figure is without it)")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="also run a peer engine in the same run")
     p.add_argument("--peer-num-seqs", type=int, default=256, help="requests given to the peer (it is slow)")
     p.add_argument("--peer-attn", default="paged|sdpa", help="transformers attn_implementation for the peer")

@@ -46,3 +46,22 @@ def test_host_step_reports_every_phase_of_a_decode_step(tmp_path) -> None:
                                              "update", "output processing"}
     assert all(v > 0 for v in record["host_phases_ms"].values()) and record["device_work_on_cpu_ms"] > 0
     assert record["host_ms_per_step"] >= sum(record["host_phases_ms"].values()) - 0.01  # each rounded to 1 us
+
+
+def test_throughput_serves_random_lora_adapters_with_loras(tmp_path, tiny_models) -> None:
+    """bench/throughput.py --loras N runs the workload (cut to 3 requests, on a tiny model with a vocabulary that
+    holds its token ids and the warm-up's) with request i under adapter i % N: every output token comes back."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from throughput import workload
+
+    config = json.loads((Path(tiny_models["qwen3"]) / "config.json").read_text())
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps({**config, "vocab_size": 20480, "max_position_embeddings": 2048}))
+    out = tmp_path / "thr.jsonl"
+    subprocess.run([sys.executable, "bench/throughput.py", "--model", str(config_path), "--num-seqs", "3", "--loras",
+                    "2", "--max-lora-rank", "8", "--no-tqdm", "--json-out", str(out)],
+                   cwd=ROOT, capture_output=True, text=True, check=True, timeout=300)
+    expected = sum(p.max_tokens for p in workload(3)[1])
+    assert json.loads(out.read_text())["nanoinfer"]["output_tokens"] == expected

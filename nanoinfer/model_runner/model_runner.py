@@ -369,7 +369,8 @@ class ModelRunner:
         # feed them to the next step before anyone has read them back (async scheduling).
         if tp_rank() == 0:
             sampled, errors = self._sample(logits, sample_states, output_index)
-            errors.update((s.req_id, s.lora_error) for s in sample_states if s.lora_error is not None)
+            if self.lora is not None:
+                errors.update((s.req_id, s.lora_error) for s in sample_states if s.lora_error is not None)
             token_ids = sampled.sampled_token_ids
         else:
             token_ids = torch.empty(len(sample_states), dtype=torch.long, device=self.device)
