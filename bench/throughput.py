@@ -36,15 +36,17 @@ def workload(num_seqs: int, sampling: dict | None = None):
     return prompts, params
 
 
-def warm_up(engine) -> None:
+def warm_up(engine, loras: list | None = None) -> None:
     """A short batch shaped like the workload (other token ids, so nothing of it is prefix-cached),
-    so one-time kernel compilation for mixed prefill steps stays out of the timing."""
+    so one-time kernel compilation for mixed prefill steps, and the loading of --loras adapters, stay out of the
+    timing."""
     from nanoinfer import SamplingParams
 
     seed(1)
     for i in range(32):
         prompt = [randint(10001, 20000) for _ in range(randint(100, 1024))]
-        engine.add_request(f"warm-up {i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+        engine.add_request(f"warm-up {i}", prompt, SamplingParams(max_tokens=8, ignore_eos=True),
+                           **_lora_kwarg(None if loras is None else loras[i % len(loras)]))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -66,6 +68,11 @@ def lora_requests(args, folder: str) -> list | None:
     return [adapters[i % args.loras] for i in range(args.num_seqs)]
 
 
+def _lora_kwarg(lora) -> dict:
+    """lora_request=... only when given, so the script still runs builds older than LoRA (bench/ab.sh)."""
+    return {} if lora is None else {"lora_request": lora}
+
+
 def run_nanoinfer(args) -> dict:
     from nanoinfer import LLM
 
@@ -73,7 +80,7 @@ def run_nanoinfer(args) -> dict:
     loras = lora_requests(args, folder)
     llm = LLM(**engine_kwargs(args))
     prompts, params = workload(args.num_seqs, args.sampling)
-    warm_up(llm.llm_engine)
+    warm_up(llm.llm_engine, loras)
     runs = []
     for i in range(args.repeat):
         if i and not llm.reset_prefix_cache():
@@ -93,7 +100,7 @@ def run_nanoinfer(args) -> dict:
 def timed_run(llm, prompts, params, args, loras: list | None = None) -> dict:
     steps = _time_steps(llm.llm_engine.core) if args.step_stats else None
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm, lora_request=loras)
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm, **_lora_kwarg(loras))
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"output_tokens": tokens, "seconds": round(elapsed, 3), "output_tok_per_s": round(tokens / elapsed, 1),
