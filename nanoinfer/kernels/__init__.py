@@ -1,7 +1,9 @@
 """Our Triton kernels. `num_sms` is shared by the launch heuristics that size grids to the GPU;
 `arrival_counters` by the kernels whose split programs merge their results in the last one to
 arrive (split-K matmul, split-KV attention) instead of in a second kernel; `pdl_enabled` by every
-decode kernel that launches with programmatic dependent launch."""
+decode kernel that launches with programmatic dependent launch; `INTERPRETER` by the matmul kernels, whose bf16
+dots must run in float32 in Triton's CPU interpreter (Triton 3.9's multiplies bf16 operands as their raw uint16
+bits)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 
 import torch
 
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 @functools.cache
 def num_sms(device: torch.device) -> int:

@@ -64,14 +64,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanoinfer.kernels import arrival_counters, num_sms, pdl_enabled
+from nanoinfer.kernels import INTERPRETER, arrival_counters, num_sms, pdl_enabled
 from nanoinfer.layers import skinny_dispatch
 from nanoinfer.layers.skinny_dispatch import MAX_M
 
 logger = logging.getLogger("nanoinfer")
 
-# Triton 3.9's interpreter multiplies bf16 dot operands as their raw uint16 bits.
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # ----- launch heuristic (retune from `bench/kernels.py --gemm` on the GPU) -----
@@ -344,7 +342,7 @@ def skinny_linear(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        UPCAST=x.dtype == torch.bfloat16 and _INTERPRETER,
+        UPCAST=x.dtype == torch.bfloat16 and INTERPRETER,
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

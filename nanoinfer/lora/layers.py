@@ -5,23 +5,28 @@ instead all slots' A matrices are stacked into one [subs x slots x rank, in] mat
 [out, subs x slots x rank] matrix (block diagonal over the packed sub-projections: q/k/v, gate/up), and a
 token's shrunk row is zeroed outside its own slot's columns by a [tokens, slots] one-hot `mapping` before the
 expand. Two matmuls per layer whatever the mix of adapters, the same shapes every step (so CUDA graphs hold
-them), and at `max_loras x max_lora_rank` columns a few percent of the layer's own matmul."""
+them), and at `max_loras x max_lora_rank` columns a few percent of the layer's own matmul. On a GPU with the
+fused kernels on, the mask and the expand are one Triton kernel (kernels/lora.py), which reads each token's slot
+instead of the one-hot rows."""
 
 from __future__ import annotations
 
 import torch
 
+from nanoinfer.layers.fusion import use_kernels
+
 
 class LoRASlots:
     def __init__(self, in_features: int, out_slices: list[tuple[int, int]], out_features: int, num_slots: int,
-                 max_rank: int, mapping: torch.Tensor) -> None:
-        """`out_slices`: (offset, size) of each packed sub-projection in this rank's output; `mapping`: the
-        runner's [max tokens, num_slots] one-hot buffer, filled each step (`LoRAModelManager.set_mapping`)."""
+                 max_rank: int, mapping: torch.Tensor, token_slots: torch.Tensor) -> None:
+        """`out_slices`: (offset, size) of each packed sub-projection in this rank's output; `mapping`, `token_slots`:
+        the runner's [max tokens, num_slots] one-hot buffer and [max tokens] slot per token (-1: none), filled each
+        step (`LoRAModelManager.set_mapping`)."""
         self.out_slices, self.num_slots, self.max_rank = out_slices, num_slots, max_rank
         width = len(out_slices) * num_slots * max_rank
         self.lora_a = torch.zeros(width, in_features, dtype=mapping.dtype, device=mapping.device)
         self.lora_b = torch.zeros(out_features, width, dtype=mapping.dtype, device=mapping.device)
-        self.mapping = mapping
+        self.mapping, self.token_slots = mapping, token_slots
 
     def _columns(self, sub: int, slot: int) -> slice:
         start = (sub * self.num_slots + slot) * self.max_rank
@@ -43,6 +48,11 @@ class LoRASlots:
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out += each token's own adapter's B A x (in place; returned)."""
         tokens = x.shape[0]
-        shrunk = torch.mm(x, self.lora_a.t()).view(tokens, len(self.out_slices), self.num_slots, self.max_rank)
+        shrunk = torch.mm(x, self.lora_a.t())
+        if use_kernels(x):
+            from nanoinfer.kernels.lora import lora_expand  # triton: GPU runs only
+
+            return lora_expand(out, shrunk, self.lora_b, self.token_slots[:tokens], self.num_slots, self.max_rank)
+        shrunk = shrunk.view(tokens, len(self.out_slices), self.num_slots, self.max_rank)
         shrunk.mul_(self.mapping[:tokens, None, :, None])
         return out.addmm_(shrunk.view(tokens, -1), self.lora_b.t())

@@ -30,6 +30,7 @@ class LoRAModelManager:
         self.hf_config, self.max_rank = hf_config, config.max_lora_rank
         self.num_slots, self.max_cpu_loras = config.max_loras, config.max_cpu_loras or config.max_loras
         self.mapping = torch.zeros(max_tokens, self.num_slots, dtype=dtype, device=device)
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.slot_ids = torch.arange(self.num_slots, device=device)
         self.targets: dict[tuple[int, str], _Target] = {}
         self.slots: list[LoRASlots] = []
@@ -43,7 +44,7 @@ class LoRAModelManager:
             else:
                 out_slices = [module.shard_range(shard_id) for _, shard_id in subs]
             module.lora = LoRASlots(module.weight.shape[1], out_slices, module.weight.shape[0], self.num_slots,
-                                    self.max_rank, self.mapping)
+                                    self.max_rank, self.mapping, self.token_slots)
             self.slots.append(module.lora)
             for sub, (hf_name, _) in enumerate(subs):
                 self.targets[(layer, hf_name)] = (module, module.lora, sub)
@@ -101,5 +102,7 @@ class LoRAModelManager:
             slots.write(slot, sub, a, b)
 
     def set_mapping(self, token_slots: torch.Tensor) -> None:
-        """The step's [tokens] slot per token (-1: the base model) as the one-hot rows the layers read."""
-        self.mapping[: token_slots.shape[0]].copy_(token_slots[:, None] == self.slot_ids[None, :])
+        """The step's [tokens] slot per token (-1: the base model), and as the one-hot rows the PyTorch path reads."""
+        tokens = token_slots.shape[0]
+        self.token_slots[:tokens].copy_(token_slots)
+        self.mapping[:tokens].copy_(token_slots[:, None] == self.slot_ids[None, :])
