@@ -33,7 +33,7 @@ def _field_type(f: dataclasses.Field) -> type:
     return hint
 
 
-def _json_flag(text: str, valid: typing.Callable[[object], bool], what: str) -> typing.Any:
+def json_flag(text: str, valid: typing.Callable[[object], bool], what: str) -> typing.Any:
     """A flag's JSON value, or an argparse error that says what is wrong with it."""
     try:
         value = json.loads(text)
@@ -45,12 +45,12 @@ def _json_flag(text: str, valid: typing.Callable[[object], bool], what: str) -> 
 
 
 def json_object(text: str) -> dict:
-    return _json_flag(text, lambda v: isinstance(v, dict), "a JSON object ({...})")
+    return json_flag(text, lambda v: isinstance(v, dict), "a JSON object ({...})")
 
 
 def json_strings(text: str) -> list[str]:
-    return _json_flag(text, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-                      'a JSON list of strings (["...", ...])')
+    return json_flag(text, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+                     'a JSON list of strings (["...", ...])')
 
 
 class _TextRunner(argparse.Action):

@@ -31,11 +31,15 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
+    """With LoRA adapters loadable at run time: every operation is fuzzed, the two adapter endpoints too."""
     model = tiny_model_with_smollm2_vocab(tmp_path_factory)
     log = str(tmp_path_factory.mktemp("fuzz_log") / "server.log")
-    srv = launch_server(log, model, "--tokenizer", smollm2_path, "--api-key", API_KEY, "--served-model-name", "tiny",
-                        "--max-model-len", str(MAX_MODEL_LEN), "--max-output-tokens-per-request",
-                        str(MAX_OUTPUT_TOKENS), "--max-request-body-bytes", str(MAX_BODY), "--log-stats-interval", "0")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+        srv = launch_server(log, model, "--tokenizer", smollm2_path, "--api-key", API_KEY, "--served-model-name",
+                            "tiny", "--max-model-len", str(MAX_MODEL_LEN), "--max-output-tokens-per-request",
+                            str(MAX_OUTPUT_TOKENS), "--max-request-body-bytes", str(MAX_BODY), "--log-stats-interval",
+                            "0", "--enable-lora")
     yield srv
     assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log()
@@ -45,7 +49,7 @@ def _operations() -> dict[str, APIOperation]:
     """The server's operations, from the schema it serves (built here without a server, to parametrize)."""
     from nanoinfer.server.api_server import ServeOptions, build_app
 
-    spec = build_app(None, None, ServeOptions(api_key=API_KEY)).openapi()
+    spec = build_app(None, None, ServeOptions(api_key=API_KEY), lora_updating=True).openapi()
     return {op.label: op for op in (result.ok() for result in schemathesis.openapi.from_dict(spec).get_all_operations())}
 
 
@@ -56,7 +60,7 @@ FUZZ_CASES: dict[str, int] = {}
 def test_served_schema_is_the_one_fuzzed(server):
     served = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
     assert sorted(f"{m.upper()} {p}" for p, item in served["paths"].items() for m in item) == sorted(OPERATIONS)
-    assert len(OPERATIONS) == 17
+    assert len(OPERATIONS) == 19
 
 
 @pytest.mark.parametrize("mode", list(GenerationMode), ids=lambda m: m.value)
@@ -163,6 +167,13 @@ HOSTILE = [  # (id, path, JSON body or raw bytes, expected status)
     ("too-many-stop-strings", "/v1/completions", OK | {"stop": ["x" * 1000] * 129}, 400),
     ("repeated-stop-token-ids", "/v1/completions", OK | {"n": 32, "stop_token_ids": [1] * 100_000}, 200),
     ("too-many-stop-token-ids", "/v1/completions", OK | {"stop_token_ids": list(range(1025))}, 400),
+    ("lora-path-a-file", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc/passwd"}, 400),
+    ("lora-path-a-folder", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}, 400),
+    ("lora-path-traversal", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "../../../../dev"}, 400),
+    ("lora-path-nul", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp\u0000/x"}, 400),
+    ("lora-name-the-base", "/v1/load_lora_adapter", {"lora_name": "tiny", "lora_path": "/tmp"}, 400),
+    ("unload-unknown-lora", "/v1/unload_lora_adapter", {"lora_name": "x"}, 404),
+    ("lora-model-unknown", "/v1/completions", OK | {"model": "x"}, 404),
 ]
 
 

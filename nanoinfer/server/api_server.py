@@ -23,16 +23,19 @@ from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from nanoinfer import __version__
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.server.core_client import CoreClient
+from nanoinfer.server.cli import LoRAModulePath
 from nanoinfer.server.metrics import ServerMetrics
+from nanoinfer.server.models import OpenAIServingModels, runtime_lora_updating
 from nanoinfer.server.openapi import document_api
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       EmbeddingRequest, RerankRequest, ScoreRequest, TokenizeRequest, parse_body)
+                                       EmbeddingRequest, LoadLoRAAdapterRequest, RerankRequest, ScoreRequest,
+                                       TokenizeRequest, UnloadLoRAAdapterRequest, parse_body)
 from nanoinfer.server.pooling import PoolingServing
 from nanoinfer.server.serving import OpenAIServing
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
@@ -64,6 +67,7 @@ class ServeOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    lora_modules: tuple[LoRAModulePath, ...] = ()  # adapters served from the start (engine's enable_lora)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -140,7 +144,9 @@ async def read_json(raw: Request, limit: int) -> object:
     return data
 
 
-def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions) -> FastAPI:
+def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions,
+              lora_updating: bool = False) -> FastAPI:
+    """`lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (`runtime_lora_updating`)."""
     app = FastAPI(title="nanoinfer", version=__version__)
     public_paths = ("/health", "/ping") + (("/metrics",) if options.metrics_without_auth else ())
     if options.api_key:
@@ -189,10 +195,7 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "nanoinfer", "root": client.model_path,
-             "max_model_len": client.limits.max_tokens_per_request} for name in options.served_model_names]}
+        return serving.models.show_available_models()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -234,6 +237,17 @@ def build_app(client: CoreClient, serving: OpenAIServing, options: ServeOptions)
     @app.post("/v2/rerank")
     async def rerank(raw: Request) -> Response:
         return await pooling.create_rerank(parse_body(RerankRequest, await read_json(raw, limit)), raw)
+
+    if lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request) -> Response:
+            body = parse_body(LoadLoRAAdapterRequest, await read_json(raw, limit))
+            return PlainTextResponse(await serving.models.load_lora_adapter(body))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request) -> Response:
+            body = parse_body(UnloadLoRAAdapterRequest, await read_json(raw, limit))
+            return PlainTextResponse(serving.models.unload_lora_adapter(body))
 
     document_api(app, public_paths)
     return app
@@ -327,16 +341,17 @@ async def serve(config: EngineConfig, options: ServeOptions) -> None:
     loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         try:
-            await client.start()
+            models = OpenAIServingModels(client, options.served_model_names, options.lora_modules)
+            await client.start(models.lora_requests.values())
         except asyncio.CancelledError:
             logger.info("SIGTERM during start-up: the server stops")
             return
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
-        serving = OpenAIServing(client, list(options.served_model_names), options.log_prompts,
+        serving = OpenAIServing(client, models, options.log_prompts,
                                 options.tool_call_parser if options.enable_auto_tool_choice else None,
                                 options.trust_request_chat_template)
-        app = build_app(client, serving, options)
+        app = build_app(client, serving, options, runtime_lora_updating(config.enable_lora))
         uvicorn_config = uvicorn.Config(app, host=options.host, port=options.port, access_log=options.access_log,
                                         log_level=options.uvicorn_log_level,
                                         timeout_graceful_shutdown=_UVICORN_GRACE_SECONDS, lifespan="off")

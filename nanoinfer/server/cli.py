@@ -4,10 +4,39 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 
-from nanoinfer.cli import add_engine_args, engine_kwargs, json_strings
+from nanoinfer.cli import add_engine_args, engine_kwargs, json_flag, json_strings
 from nanoinfer.config import EngineConfig
 from nanoinfer.server.tool_calls import TOOL_CALL_PARSERS
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """A LoRA adapter served from the start (vLLM's --lora-modules): requests name it as their model."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # the served name /v1/models gives as its parent (default: the first)
+
+
+def _is_lora_module(value: object) -> bool:
+    return isinstance(value, dict) and value.keys() <= {"name", "path", "base_model_name"} and \
+        all(isinstance(value.get(key), str) and value[key] for key in ("name", "path")) and \
+        isinstance(value.get("base_model_name"), (str, type(None)))
+
+
+def lora_module(text: str) -> LoRAModulePath:
+    """One --lora-modules value, in either of vLLM's forms: NAME=PATH, or a JSON object
+    {"name": ..., "path": ..., "base_model_name": ...}."""
+    if text.lstrip().startswith("{"):
+        return LoRAModulePath(**json_flag(text, _is_lora_module, 'a JSON object {"name": str, "path": str, '
+                                                                 '"base_model_name": str (optional)}'))
+    name, equals, path = text.partition("=")
+    if not (name and equals and path):
+        raise argparse.ArgumentTypeError(f'{text!r} is neither NAME=PATH nor a JSON object '
+                                         f'{{"name": ..., "path": ...}}')
+    return LoRAModulePath(name, path)
 
 
 def add_serve_parser(subparsers) -> None:
@@ -53,6 +82,9 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a request's own chat_template (Jinja, in a sandbox, yet a template may loop for "
                              "long: trust the clients; default: such a request is refused)")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=(), metavar="NAME=PATH",
+                        help='LoRA adapters (PEFT folders) requests may name as their model, each NAME=PATH or a JSON '
+                             'object {"name": ..., "path": ..., "base_model_name": ...}; needs --enable-lora')
     for name, what in (("origins", "origins (e.g. https://example.com) whose browser pages may call the server"),
                        ("methods", "HTTP methods those pages may use"), ("headers", "request headers they may send")):
         parser.add_argument(f"--allowed-{name}", type=json_strings, default=["*"],
@@ -79,7 +111,7 @@ def serve_options(args: argparse.Namespace):
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template, allowed_origins=tuple(args.allowed_origins),
         allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
-        allow_credentials=args.allow_credentials)
+        allow_credentials=args.allow_credentials, lora_modules=tuple(args.lora_modules))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import Iterable
 
 import zmq
 import zmq.asyncio
@@ -103,9 +104,13 @@ class CoreClient:
 
     # ----- life cycle -----
 
-    async def start(self) -> None:
-        """Resolve the model, start the core process and wait until it has loaded it."""
+    async def start(self, loras: Iterable[LoRARequest] = ()) -> None:
+        """Resolve the model, check the LoRA adapters served from the start (a bad one fails here, before the core
+        loads the model), start the core process and wait until it has loaded it."""
         source, self.tokenizer = load_model_and_tokenizer(self.config)
+        self.loras = admission_registry(self.config, source.hf_config)  # the adapters admission checks
+        for lora in loras:
+            self.loras.check(lora)
         self.model_path = source.model_path
         self.default_sampling = source.default_sampling  # what requests leave unset (generation_config.json)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
@@ -124,7 +129,7 @@ class CoreClient:
         self.pooler = source.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.limits, pooler=self.pooler,
                                               hidden_size=source.hf_config.hidden_size,
-                                              loras=admission_registry(self.config, source.hf_config))
+                                              loras=self.loras)
         self.output_processor = OutputProcessor(self.tokenizer, self.pooler)
         asyncio.get_running_loop().add_reader(self._proc.sentinel, self._on_core_exit)
         self._output_task = asyncio.create_task(self._output_loop())

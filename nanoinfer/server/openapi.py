@@ -11,7 +11,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from nanoinfer.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                       RerankRequest, ScoreRequest, TokenizeRequest)
+                                       LoadLoRAAdapterRequest, RerankRequest, ScoreRequest, TokenizeRequest,
+                                       UnloadLoRAAdapterRequest)
 
 _ERROR = {
     "type": "object", "required": ["error"],
@@ -26,7 +27,8 @@ _STREAM = {"text/event-stream": {"schema": {
     "type": "object", "required": ["data"],
     "properties": {"data": {"type": "string", "description": "a JSON chunk of the response; the last event is [DONE]"}}}}}
 _TEXT = {"text/plain": {"schema": {"type": "string"}}}
-_DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API key", 404: "unknown model, or an endpoint of the other runner (text / embeddings)",
+_DESCRIPTIONS = {200: "OK", 400: "invalid request", 401: "missing or wrong API key",
+                 404: "unknown model or LoRA adapter, or an endpoint of the other runner (text / embeddings)",
                  413: "request body too large", 500: "the request failed inside the engine (see the server log)",
                  503: "waiting queue full, shutting down, or engine core dead"}
 # path -> (request body, content of a 200, error statuses besides 401)
@@ -43,6 +45,8 @@ _OPERATIONS: dict[str, tuple[type[BaseModel] | None, dict | None, tuple[int, ...
     **{path: (EmbeddingRequest, _JSON, (400, 404, 413, 503)) for path in ("/v1/embeddings", "/pooling")},
     **{path: (ScoreRequest, _JSON, (400, 404, 413, 503)) for path in ("/score", "/v1/score")},
     **{path: (RerankRequest, _JSON, (400, 404, 413, 503)) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
+    "/v1/load_lora_adapter": (LoadLoRAAdapterRequest, _TEXT, (400, 413)),
+    "/v1/unload_lora_adapter": (UnloadLoRAAdapterRequest, _TEXT, (400, 404, 413)),
 }
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError, model_validator
 
 from nanoinfer.engine.beam_search import BeamSearchParams
 from nanoinfer.inputs import content_text
@@ -488,6 +488,20 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter: a PEFT adapter folder on the server's machine, served as `lora_name`."""
+
+    lora_name: Annotated[str, StringConstraints(min_length=1)]
+    lora_path: Annotated[str, StringConstraints(min_length=1)]
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter, by name (its lora_int_id field, which vLLM does not read either, is ignored
+    as any unknown field)."""
+
+    lora_name: str
 
 
 def parse_body(model: type[_Body], data: object) -> Any:

@@ -25,10 +25,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from nanoinfer.engine.beam_search import BeamSearch, advance_all, live_beams
 from nanoinfer.engine.core import EngineDeadError
 from nanoinfer.engine.output_processor import token_text
+from nanoinfer.lora.request import LoRARequest
 from nanoinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoinfer.pooling_params import PoolingParams
 from nanoinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoinfer.server.core_client import CoreClient, OutputStream
+from nanoinfer.server.models import OpenAIServingModels
 from nanoinfer.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        EmbeddingRequest, GenerationRequest, PoolingRequest, TokenizeRequest,
                                        template_tools)
@@ -186,10 +188,10 @@ async def _client_disconnected(raw: Request) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, client: CoreClient, model_names: list[str], log_prompts: bool = False,
+    def __init__(self, client: CoreClient, models: OpenAIServingModels, log_prompts: bool = False,
                  tool_call_parser: str | None = None, trust_request_chat_template: bool = False) -> None:
         self.client = client
-        self.model_names = model_names
+        self.models = models  # the names a request's model may take: the base model's and the LoRA adapters'
         self.log_prompts = log_prompts
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_call_parser = tool_call_parser  # reads tool_choice "auto" replies; None: auto is refused
@@ -232,13 +234,13 @@ class OpenAIServing:
         with contextlib.suppress(ValueError):  # (shielded: a client that leaves cancels not the shared check)
             await asyncio.shield(asyncio.wrap_future(future))
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_names}", "model")
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's model names (None: the base model); a 404 for a name not served."""
+        return self.models.lora_request(name)
 
     def response_model(self, name: str | None) -> str:
         """A response's "model", as vLLM's: the served name the request gave, else the first."""
-        return name or self.model_names[0]
+        return name or self.models.base_model_names[0]
 
     def check_runner(self, embeddings: bool) -> None:
         """A server makes either embeddings (--runner pooling) or text: the other kind's endpoints are 404s."""
@@ -252,7 +254,7 @@ class OpenAIServing:
     # ----- /v1/completions -----
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_runner(embeddings=False)
         req.check_supported()
         # echo with max_tokens 0 scores the prompt alone (as vLLM): one token is made, and left out of the response.
@@ -262,12 +264,12 @@ class OpenAIServing:
         renames = {"structured_outputs": req.constraint_field}
         response_id, request_id = request_ids("cmpl", raw, req.request_id)
         if req.use_beam_search:
-            stream = await self._beam_search(request_id, req.prompts, req, req.max_tokens, renames, raw)
+            stream = await self._beam_search(request_id, req.prompts, req, req.max_tokens, renames, raw, lora)
         else:
             params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, renames)
             if req.echo and req.logprobs is not None:  # the echoed prompt gets logprobs too, as in OpenAI's API
                 params = dataclasses.replace(params, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0))
-            stream = await self.generate(request_id, req.prompts, params, req, renames, raw)
+            stream = await self.generate(request_id, req.prompts, params, req, renames, raw, lora)
         if stream is None:  # the client went away during a beam search
             return Response(status_code=499)
         prompt_logprobs: dict[str, list] = {}  # per prompt: a stream carries them once, every choice echoes them
@@ -301,7 +303,7 @@ class OpenAIServing:
     # ----- /v1/chat/completions -----
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_runner(embeddings=False)
         req.check_tools(self.tool_call_parser)
         max_name = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
@@ -320,7 +322,7 @@ class OpenAIServing:
 
         constrained = False  # a grammar applies (from the first token unless the engine follows the think tags)
         if req.use_beam_search:
-            stream = await self._beam_search(request_id, prompts, req, max_tokens, renames, raw)
+            stream = await self._beam_search(request_id, prompts, req, max_tokens, renames, raw, lora)
             if stream is None:  # the client went away
                 return Response(status_code=499)
         else:
@@ -329,7 +331,7 @@ class OpenAIServing:
             if req.effective_tool_choice == "auto":  # as vLLM's: a tokenizer may mark <tool_call> special
                 params = dataclasses.replace(params, skip_special_tokens=False)
             constrained = params.structured_outputs is not None
-            stream = await self.generate(request_id, prompts, params, req, renames, raw)
+            stream = await self.generate(request_id, prompts, params, req, renames, raw, lora)
         # Per choice, the readers its text goes through: reasoning apart from content, then tool calls out of it.
         readers: dict[int, tuple[ThinkReasoning | None, ToolCallExtractor | None]] = {}
 
@@ -438,17 +440,19 @@ class OpenAIServing:
     async def generate(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
                         params: SamplingParams | PoolingParams,
                         req: GenerationRequest | PoolingRequest,
-                        renames: dict[str, str], raw: Request, beam_step: bool = False) -> OutputStream:
+                        renames: dict[str, str], raw: Request, lora_request: LoRARequest | None = None,
+                        beam_step: bool = False) -> OutputStream:
         """Admit the request: its prompts are made (a chat template rendered) and tokenized (`_tokenizing`),
-        then registered with the core on the event loop. `beam_step`: a step of a beam search admitted before
-        any drain began, so it runs while the server drains."""
+        then registered with the core on the event loop. `lora_request`: the adapter its model named (resolved
+        once, as the request arrived, so an adapter unloaded meanwhile still serves it). `beam_step`: a step of a
+        beam search admitted before any drain began, so it runs while the server drains."""
         if not (self.accepting or beam_step):
             raise ApiError(503, "the server is shutting down")
         self.client.check_alive()  # fail fast, before the tokenizer works for nothing
 
         def admit() -> tuple[list[str | list[int]], list]:
             prompts = make_prompts()
-            return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt)
+            return prompts, self.client.admit(request_id, prompts, params, req.priority, req.cache_salt, lora_request)
 
         try:
             await self._checked(getattr(params, "structured_outputs", None))
@@ -458,8 +462,8 @@ class OpenAIServing:
             if self.log_prompts:
                 texts = [p if isinstance(p, str) or self.tokenizer is None else self.tokenizer.decode(p)
                          for p in prompts]
-                logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r", request_id, texts, params,
-                            req.priority, req.cache_salt)
+                logger.info("request %s: prompts %r, %s, priority %d, cache_salt %r, lora %r", request_id, texts,
+                            params, req.priority, req.cache_salt, lora_request and lora_request.lora_name)
             return self.client.register(request_id, params, admitted, req.stream)
         except (TypeError, ValueError) as e:
             raise _bad_request(e, renames) from None
@@ -468,7 +472,7 @@ class OpenAIServing:
 
     async def _beam_search(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
                            req: GenerationRequest, max_tokens: int | None, renames: dict[str, str],
-                           raw: Request) -> OutputStream | None:
+                           raw: Request, lora_request: LoRARequest | None) -> OutputStream | None:
         """use_beam_search: every step's live beams as one-token requests through `generate`, as vLLM's server
         runs them; the result, each prompt's n best sequences as its choices, in a stream that already holds it
         (so a streaming request gets them as one chunk each). None if the client went away meanwhile."""
@@ -477,7 +481,8 @@ class OpenAIServing:
         req.check_stream_options()
         self.num_beam_searches += 1  # admitted: a drain lets it finish, as it does any request in flight
         try:
-            prompts, searches = await self._beam_steps(request_id, make_prompts, req, max_tokens, renames, raw)
+            prompts, searches = await self._beam_steps(request_id, make_prompts, req, max_tokens, renames, raw,
+                                                       lora_request)
         finally:
             self.num_beam_searches -= 1
         if searches is None:
@@ -492,8 +497,8 @@ class OpenAIServing:
         return stream
 
     async def _beam_steps(self, request_id: str, make_prompts: Callable[[], list[str | list[int]]],
-                          req: GenerationRequest, max_tokens: int | None, renames: dict[str, str], raw: Request
-                          ) -> tuple[list[list[int]], list[BeamSearch] | None]:
+                          req: GenerationRequest, max_tokens: int | None, renames: dict[str, str], raw: Request,
+                          lora_request: LoRARequest | None) -> tuple[list[list[int]], list[BeamSearch] | None]:
         """The prompts' token ids and their searches run to the end (None if the client went away)."""
         try:  # the bounds a request's sampling would meet: the context, and the server's output tokens
             prompts = await self._tokenizing(raw, req, lambda: [self.client.input_processor.tokenize(p)
@@ -512,7 +517,7 @@ class OpenAIServing:
                 raise ApiError(503, "the server is shutting down")
             outputs = await self.collect(await self.generate(
                 f"{request_id}-{step}", lambda: [beam.tokens for _, beam in beams], params.step_params(), req,
-                renames, raw, beam_step=True), raw)
+                renames, raw, lora_request, beam_step=True), raw)
             if outputs is None:
                 return prompts, None
             reasons = {c.finish_reason for o in outputs for c in o.outputs}
