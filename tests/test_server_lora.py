@@ -126,6 +126,18 @@ def test_beam_search_runs_every_step_with_the_adapter(client, offline):
     assert [c.text for c in out.choices] == expected
 
 
+def test_metrics_name_the_adapters_in_use(server, client):
+    """vLLM's lora_requests_info: one sample whose labels name the running and waiting adapters (read here while a
+    stream of adapter "sql" runs) and max_lora."""
+    stream = client.completions.create(model="sql", prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    metrics = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=60).text
+    stream.close()
+    samples = [line for line in metrics.splitlines() if line.startswith("nanoinfer:lora_requests_info{")]
+    assert len(samples) == 1 and 'max_lora="2"' in samples[0] and 'running_lora_adapters="sql"' in samples[0], samples
+
+
 def test_an_unknown_model_is_a_404(server, client):
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MESSAGES}),
                        ("/tokenize", {"prompt": "hi"})):

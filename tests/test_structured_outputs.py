@@ -339,13 +339,14 @@ def test_the_server_checks_a_slow_grammar_beside_other_work(smol: LLM) -> None:
     from types import SimpleNamespace
 
     from nanoinfer.sample.structured import GrammarCache, parse_grammar
+    from nanoinfer.server.models import OpenAIServingModels
     from nanoinfer.server.serving import OpenAIServing
 
     release = threading.Event()
     checks = GrammarCache(lambda spec: (spec.regex != "slow" or release.wait(60)) and parse_grammar(spec))
     client = SimpleNamespace(tokenizer=smol.tokenizer, input_processor=SimpleNamespace(grammar_checks=lambda: checks),
                              config=smol.llm_engine.config, limits=smol.llm_engine.limits)
-    serving = OpenAIServing(client, ["m"])
+    serving = OpenAIServing(client, OpenAIServingModels(client, ["m"]))
     slow = StructuredOutputsParams(regex="slow")
 
     async def run() -> None:

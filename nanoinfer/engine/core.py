@@ -105,6 +105,8 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    running_lora_adapters: list[str] = field(default_factory=list)  # enable_lora: adapter names, running requests'
+    waiting_lora_adapters: list[str] = field(default_factory=list)  # ... and waiting ones'
 
 
 # This process's engines. torch.distributed keeps one process group per process, and every model of the process
@@ -244,4 +246,5 @@ class EngineCore:
         return SchedulerStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.usage,
                               kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions,
                               spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                              list(spec.accepted_per_pos))
+                              list(spec.accepted_per_pos),
+                              *(self.scheduler.lora_adapters() if self.config.enable_lora else ()))

@@ -321,6 +321,11 @@ class Scheduler:
                 request.spec_token_ids = self.proposer.propose(req_id, request.all_token_ids, room)
         return results
 
+    def lora_adapters(self) -> tuple[list[str], list[str]]:
+        """The names of the LoRA adapters of running requests, and of waiting ones (the lora_requests_info metric)."""
+        return tuple(sorted({r.lora_request.lora_name for r in queue if r.lora_request is not None})
+                     for queue in (self.running, self.waiting))
+
     def _drafting(self) -> bool:
         """Whether drafts are proposed now (speculative_config's disable_by_batch_size)."""
         limit = self.proposer.config.disable_by_batch_size

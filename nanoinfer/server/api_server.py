@@ -332,7 +332,7 @@ def _listen(host: str, port: int) -> socket.socket:
 async def serve(config: EngineConfig, options: ServeOptions) -> None:
     """Start the engine core, then serve HTTP until a signal drains and stops the server."""
     sock = _listen(options.host, options.port)
-    metrics = ServerMetrics(options.served_model_names[0])
+    metrics = ServerMetrics(options.served_model_names[0], config.max_loras if config.enable_lora else None)
     client = CoreClient(config, metrics, options.max_output_tokens_per_request)
     stats_task = serving = None
     loop = asyncio.get_running_loop()

@@ -26,7 +26,8 @@ class _RequestTimes:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_loras: int | None = None) -> None:
+        """`max_loras`: the engine serves LoRA adapters (enable_lora) in that many slots; None: it serves none."""
         self.registry = CollectorRegistry()
         label = {"model_name": model_name}
 
@@ -54,6 +55,11 @@ class ServerMetrics:
                                           "Speculative decoding: draft tokens kept, by their position in the step.",
                                           ("position",))
         self._accepted_per_pos: list[int] = []
+        # vLLM's: one sample whose labels name the adapters in use, its value the time they were read.
+        self.lora_requests_info = None if max_loras is None else Gauge(
+            "nanoinfer:lora_requests_info", "LoRA adapters of running and waiting requests (labels), and when.",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=self.registry)
+        self._max_loras = max_loras
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that started generating.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self._request_success = make(Counter, "request_success", "Finished requests, by finish reason.",
@@ -131,6 +137,12 @@ class ServerMetrics:
             if total > before:
                 self.spec_accepted_per_pos.labels(position=str(position), **self._label).inc(total - before)
         self._accepted_per_pos = list(stats["spec_decode_num_accepted_tokens_per_pos"])
+        if self.lora_requests_info is not None:  # only the current adapters: older label sets go
+            self.lora_requests_info.clear()
+            self.lora_requests_info.labels(max_lora=str(self._max_loras),
+                                           running_lora_adapters=",".join(stats["running_lora_adapters"]),
+                                           waiting_lora_adapters=",".join(stats["waiting_lora_adapters"])
+                                           ).set_to_current_time()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
