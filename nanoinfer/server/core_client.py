@@ -114,9 +114,10 @@ class CoreClient:
         self.model_path = source.model_path
         self.default_sampling = source.default_sampling  # what requests leave unset (generation_config.json)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        self._proc = ctx.Process(target=run_engine_core, name="nanoinfer-engine-core", args=(
+        proc = ctx.Process(target=run_engine_core, name="nanoinfer-engine-core", args=(
             self.config, source, f"ipc://{self._tmpdir}/input", f"ipc://{self._tmpdir}/output", os.getpid()))
-        self._proc.start()
+        proc.start()
+        self._proc = proc  # (once started: `close` joins it)
         while not await self._output.poll(500):
             if not self._proc.is_alive():
                 raise RuntimeError(f"the engine core process exited during start-up (exit code {self._proc.exitcode})")
@@ -135,25 +136,40 @@ class CoreClient:
         self._output_task = asyncio.create_task(self._output_loop())
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core process (asked to, then killed: it ignores SIGTERM) and release the sockets."""
-        self._closing = True
+        """`close`, with the wait for the core's exit on the event loop instead of blocking it."""
+        if self._proc is not None:
+            asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._ask_core_to_exit()
+        deadline = time.monotonic() + timeout
+        while self._proc is not None and self._proc.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.close(timeout=0)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the core process (asked to, killed after `timeout` s: it ignores SIGTERM), end the streams still
+        open with EngineDeadError (nothing will come for them) and release the sockets. Blocks, and needs no
+        running event loop, so it also serves a loop that has stopped and interpreter exit. Safe to call again."""
+        self._ask_core_to_exit()
         proc = self._proc
         if proc is not None:
-            asyncio.get_running_loop().remove_reader(proc.sentinel)
+            proc.join(timeout)
             if proc.is_alive():
-                self._send(MessageType.SHUTDOWN)
-            deadline = time.monotonic() + timeout
-            while proc.is_alive() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if proc.is_alive():
-                logger.warning("the engine core did not exit within %.0f s; killing it", timeout)
+                logger.warning("the engine core did not exit when asked; killing it")
                 proc.kill()
-            proc.join(5)
-        if self._output_task is not None:
+                proc.join(5)
+        if self.dead_reason is None:
+            self.dead_reason = "the engine core was shut down"
+            self._fail_streams(EngineDeadError(self.dead_reason))
+        if self._output_task is not None and not self._output_task.get_loop().is_closed():
             self._output_task.cancel()
         self._ctx.destroy(linger=0)
         self._sync_ctx.destroy(linger=0)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _ask_core_to_exit(self) -> None:
+        self._closing = True
+        if self._proc is not None and self._proc.is_alive():
+            self._send(MessageType.SHUTDOWN)
 
     def _on_core_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self._proc.sentinel)
@@ -165,16 +181,18 @@ class CoreClient:
     def _die(self, reason: str) -> None:
         """From now on every request fails fast with `reason` (503), instead of hanging."""
         self.dead_reason = reason
-        logger.error("%s; requests fail with 503 until the server is restarted", reason)
+        logger.error("%s; requests fail (the server: 503) until the engine is restarted", reason)
         if self._proc.is_alive():
             self._proc.kill()
-        error = EngineDeadError(reason)
+        self._fail_streams(EngineDeadError(reason))
+        if self._output_task is not None:
+            self._output_task.cancel()
+
+    def _fail_streams(self, error: EngineDeadError) -> None:
         for stream in set(self.streams.values()):
             stream.fail(error)
         self.streams.clear()
         self.waiting.clear()
-        if self._output_task is not None:
-            self._output_task.cancel()
 
     def check_alive(self) -> None:
         if self.dead_reason is not None:
