@@ -138,6 +138,14 @@ class PoolingRequestOutput:
     outputs: PoolingOutput
     finished: bool = True
 
+    @classmethod
+    def of(cls, embedding: EmbeddingRequestOutput) -> PoolingRequestOutput:
+        """An embedding's output as vLLM's pooling calls give it: the vector as a tensor."""
+        import torch
+
+        return cls(embedding.request_id, embedding.prompt_token_ids,
+                   PoolingOutput(torch.tensor(embedding.outputs.embedding)))
+
 
 @dataclass
 class ScoringOutput:

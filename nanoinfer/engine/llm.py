@@ -20,8 +20,8 @@ from nanoinfer.engine.input_processor import unpack_prompt
 from nanoinfer.engine.llm_engine import LLMEngine
 from nanoinfer.inputs import PromptType
 from nanoinfer.lora.request import LoRARequest
-from nanoinfer.outputs import (EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, RequestOutput,
-                               ScoringOutput, ScoringRequestOutput)
+from nanoinfer.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput, ScoringOutput,
+                               ScoringRequestOutput)
 from nanoinfer.pooling_params import PoolingParams, cosine, score_pairs
 from nanoinfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -147,8 +147,7 @@ class LLM:
                truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """vLLM's pooling call: `embed`'s vectors as tensors (`outputs.data`)."""
         outputs = self.embed(prompts, pooling_params, use_tqdm, priority, truncate_prompt_tokens=truncate_prompt_tokens)
-        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(torch.tensor(o.outputs.embedding)))
-                for o in outputs]
+        return [PoolingRequestOutput.of(o) for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType],
               use_tqdm: bool = True, pooling_params: PoolingParams | None = None, *,

@@ -36,6 +36,13 @@ def load_tokenizer(path: str | None):
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from e
 
 
+def checked_tokenizer(tokenizer):
+    """`tokenizer`, or the error of a get_tokenizer() (vLLM's) where the model has none."""
+    if tokenizer is None:
+        raise ValueError("this engine has no tokenizer: its model folder holds none (give tokenizer=PATH)")
+    return tokenizer
+
+
 def load_model_and_tokenizer(config: EngineConfig) -> tuple[ModelSource, object]:
     """Resolve the model (a GGUF is converted once, before any other process reads the cache)
     and load its tokenizer; the tokenizer's eos id joins the config's end-of-sequence ids."""
@@ -72,9 +79,7 @@ class LLMEngine:
     def get_tokenizer(self):
         """The engine's tokenizer (a transformers tokenizer), as vLLM's: for chat templates, counting tokens or
         decoding token ids."""
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: its model folder holds none (give tokenizer=PATH)")
-        return self.tokenizer
+        return checked_tokenizer(self.tokenizer)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's recommended values (EngineConfig.generation_config) in place."""
