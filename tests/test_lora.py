@@ -184,7 +184,17 @@ def test_bad_adapters_are_refused_at_admission(adapters, tmp_path):
             "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight", (4, 64))),
         "adapter_model.bin is a pickle": _edited(tmp_path / "bin", base, to_bin=True),
         "no adapter_config.json": _edited(tmp_path / "noconfig", base, no_config=True),
+        "has weights that are not finite": _edited(
+            tmp_path / "nan", base, retype=lambda t: t.index_fill(1, torch.tensor([0]), float("nan"))),
+        "lora_alpha must be a finite number": _edited(tmp_path / "alpha", base, config_text='{"r": 4, "lora_alpha": '
+                                                      + "9" * 400 + "}"),
+        "adapter_config.json could not be read: RecursionError": _edited(tmp_path / "deep", base,
+                                                                          config_text="[" * 100_000),
+        "holds torch.int64, not floating-point weights": _edited(tmp_path / "int", base, retype=lambda t: t.long()),
     }
+    fifo = _edited(tmp_path / "fifo", base, no_config=True)
+    os.mkfifo(os.path.join(fifo, "adapter_config.json"))  # reading it would block for ever
+    cases["no adapter_config.json file"] = fifo
     for i, (why, request) in enumerate(cases.items()):
         if isinstance(request, str):
             request = LoRARequest(f"bad{i}", 10 + i, request)
@@ -201,13 +211,18 @@ def test_bad_adapters_are_refused_at_admission(adapters, tmp_path):
 
 
 def _edited(folder, base: str, extra_tensor=None, drop: str | None = None, to_bin: bool = False,
-            no_config: bool = False, **config_fields) -> str:
-    """A good adapter, then one thing made wrong."""
+            no_config: bool = False, config_text: str | None = None, retype=None, **config_fields) -> str:
+    """A good adapter, then one thing made wrong (`retype`: every tensor through this function)."""
     from safetensors.torch import load_file
 
     make_adapter(folder, base, seed=3, **config_fields)
     weights = os.path.join(folder, "adapter_model.safetensors")
     tensors = load_file(weights)
+    if retype is not None:
+        tensors = {name: retype(t) for name, t in tensors.items()}
+    if config_text is not None:
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            f.write(config_text)
     if extra_tensor is not None:
         tensors[extra_tensor[0]] = torch.zeros(extra_tensor[1])
     if drop is not None:
@@ -218,6 +233,36 @@ def _edited(folder, base: str, extra_tensor=None, drop: str | None = None, to_bi
     if no_config:
         os.remove(os.path.join(folder, "adapter_config.json"))
     return str(folder)
+
+
+def test_weights_must_stay_finite_in_float16_where_the_model_runs_in_it(adapters, tmp_path):
+    """3e5 is finite in float32 and bfloat16, not in float16 (its largest value is 65,504)."""
+    from nanoinfer.lora.adapter import LoRAAdapter, LoRARegistry
+    from nanoinfer.loader.weights import get_hf_config
+
+    base = adapters["llama"]["base"]
+    big = _edited(tmp_path / "big", base, retype=lambda t: t * 1e6)
+    config = get_hf_config(base)
+    assert LoRAAdapter.load(big, config, 8).rank == 4
+    with pytest.raises(ValueError, match="not finite .*in torch.float16"):
+        LoRARegistry(config, 8, torch.float16).check(LoRARequest("big", 1, big))
+
+
+def test_a_failed_request_leaves_no_block_it_computed_in_the_prefix_cache(adapters, tmp_path):
+    """Its adapter's folder gone when its step ran: it ran without the adapter and failed. Its blocks, under the
+    adapter's key, would give a later request of that adapter (the folder back) base-model KV: they leave the cache."""
+    case = adapters["llama"]
+    folder = str(shutil.copytree(case["a"], tmp_path / "a"))
+    lora = LoRARequest("a", 1, folder)
+    llm = LLM(case["base"], enable_lora=True, max_lora_rank=8, block_size=4)
+    engine = llm.llm_engine
+    engine.add_request("lost", PROMPTS[2], greedy(), lora_request=lora)
+    os.rename(folder, folder + ".moved")
+    finals = [o for _ in range(100) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
+    assert finals[0].outputs[0].finish_reason == "error"
+    os.rename(folder + ".moved", folder)
+    again = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False, lora_request=lora)[0]
+    assert again.num_cached_tokens == 0 and token_ids([again]) == [case["expected"]["a"][2]]
 
 
 def test_an_adapter_gone_after_admission_fails_its_requests_alone(adapters, tmp_path):

@@ -29,9 +29,9 @@ def slots_with_adapters(tokens: int, subs: int, num_slots: int, rank: int, dtype
     in_features, sub_out = 40, 24
     token_slots = torch.tensor([-1 if t % (num_slots + 1) == num_slots else t % (num_slots + 1) for t in range(tokens)],
                                dtype=torch.int32, device=DEVICE)
-    mapping = (token_slots[:, None] == torch.arange(num_slots, device=DEVICE)[None, :]).to(dtype)
+    mapping = token_slots[:, None] == torch.arange(num_slots, device=DEVICE)[None, :]
     slots = LoRASlots(in_features, [(i * sub_out, sub_out) for i in range(subs)], subs * sub_out, num_slots, rank,
-                      mapping, token_slots)
+                      mapping, token_slots, dtype)
     for slot in range(num_slots):
         for sub in range(subs):
             adapter_rank = rank - slot % 2  # some adapters narrower than the slot
@@ -58,3 +58,20 @@ def test_lora_expand_kernel_equals_the_pytorch_path(dtype, tokens, subs, num_slo
     untouched = slots.token_slots == -1  # tokens without an adapter keep their output exactly
     assert torch.equal(result[untouched], out[untouched])
     assert not torch.allclose(result[~untouched].float(), out[~untouched].float())  # the others got a delta
+
+
+@kernel_test
+@pytest.mark.parametrize("kernels", [False, True])
+def test_an_overflowing_slot_leaves_other_tokens_alone(kernels, monkeypatch) -> None:
+    """Slot 1's A so large that its shrunk columns overflow to inf for every token: tokens of slot 0 and of no
+    adapter still get exactly what they get without slot 1 (the mask selects; inf x 0 would be NaN)."""
+    slots, x, out = slots_with_adapters(9, 2, 2, 8, torch.float32, seed=5)
+    if kernels:
+        monkeypatch.setattr(fusion, "_enabled", True)
+        monkeypatch.setattr(fusion, "_kernel_device", lambda t: t.is_cuda or t.device.type == "cpu")
+    others = slots.token_slots != 1
+    expected = slots.add_to(out.clone(), x)[others]
+    for sub in range(2):
+        slots.write(1, sub, torch.full((8, 40), 1e38), torch.ones(24, 8))
+    result = slots.add_to(out.clone(), x)
+    assert torch.equal(result[others], expected) and torch.isfinite(result[others]).all()

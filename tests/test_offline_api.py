@@ -440,7 +440,7 @@ def test_generate_takes_a_priority_per_prompt(tiny_models) -> None:
     prompts = [[1] * n for n in (3, 4, 5)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, priority=[2, 0, 1])
     assert admitted == [4, 5, 3] and [len(o.prompt_token_ids) for o in outs] == [3, 4, 5]
-    with pytest.raises(ValueError, match="got 3 prompts but 3 params and 2 priorities"):
+    with pytest.raises(ValueError, match="got 3 prompts but 3 params, 2 priorities and 3 LoRA requests"):
         llm.generate(prompts, use_tqdm=False, priority=[0, 1])
     assert_no_leak(llm)
     fcfs = LLM(tiny_models["qwen3"], max_num_seqs=1, device="cpu")  # as vLLM's: a priority would do nothing here

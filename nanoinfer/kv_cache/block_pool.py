@@ -114,6 +114,11 @@ class BlockPool:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
 
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take blocks out of the prefix cache (no request can hit them again); who holds them keeps them."""
+        for block in blocks:
+            self._evict(block)
+
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[int], start: int, end: int) -> None:
         """Register blocks[start:end] (now full) under their hashes. If an equal
         block is cached already, this one stays private: never two owners of a hash."""

@@ -91,10 +91,14 @@ class KVCacheManager:
                 self.num_cached_blocks[request.request_id] = num_full
         return new_blocks
 
-    def free(self, request: Request) -> None:
-        """Release all of a request's blocks; tail blocks first, so they are evicted first."""
+    def free(self, request: Request, uncache_computed: bool = False) -> None:
+        """Release all of a request's blocks; tail blocks first, so they are evicted first. `uncache_computed`: the
+        blocks it computed itself (past its prefix hit) leave the prefix cache, for a request that failed, whose KV
+        may be wrong (an adapter that could not be loaded ran without it)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        if uncache_computed:
+            self.pool.uncache(blocks[max(request.num_cached_tokens, 0) // self.block_size:])
         self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

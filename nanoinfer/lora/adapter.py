@@ -22,6 +22,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT's tensor names: base_model.model.<the model's module>.lora_A.weight (the adapter name is not saved).
 _TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_MAX_CONFIG_BYTES = 1 << 20
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -38,16 +39,17 @@ def target_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """What an adapter folder holds, checked: its rank, its scaling, and the (layer, projection) pairs it adapts."""
+    """An adapter folder's weights, checked: {(layer, projection): (A, scaling * B)} in float32 on the CPU."""
 
     path: str
     rank: int
-    scaling: float
-    targets: frozenset[tuple[int, str]]
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
-    def read(cls, path: str, hf_config: Any, max_rank: int) -> "LoRAAdapter":
-        """Read the config and the tensors' names and shapes (not their values); ValueError says what is wrong."""
+    def load(cls, path: str, hf_config: Any, max_rank: int, dtype: torch.dtype | None = None) -> "LoRAAdapter":
+        """Read and check the folder (ValueError says what is wrong). Every check runs on the tensors returned, so
+        what admission checked is what a slot receives even if the files changed in between. `dtype`: the model's,
+        where the scaled weights must stay finite too (float16 holds up to 65,504); without it, float32."""
         config = _read_config(path)
         rank = config.get("r", 8)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -56,22 +58,19 @@ class LoRAAdapter:
             raise ValueError(f"LoRA adapter {path} has rank {rank}, more than max_lora_rank={max_rank} (start the "
                              f"engine with max_lora_rank >= {rank}, the server with --max-lora-rank {rank})")
         alpha = config.get("lora_alpha", 8)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
-            raise ValueError(f"LoRA adapter {path}: lora_alpha must be a number, got {alpha!r}")
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        targets = _check_tensors(path, hf_config, rank)
-        return cls(path, rank, scaling, frozenset(targets))
-
-    def load(self) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-        """{(layer, projection): (A, scaling * B)} in float32, on the CPU."""
-        from safetensors.torch import load_file
-
-        tensors = load_file(os.path.join(self.path, ADAPTER_WEIGHTS))
-        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for name, tensor in tensors.items():
-            layer, _, module, which = _TENSOR_NAME.match(name).groups()
-            pairs.setdefault((int(layer), module), {})[which] = tensor.float()
-        return {key: (ab["A"], ab["B"] * self.scaling) for key, ab in pairs.items()}
+        try:
+            if isinstance(alpha, bool) or not math.isfinite(alpha):
+                raise TypeError
+            scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        except (TypeError, OverflowError):
+            raise ValueError(f"LoRA adapter {path}: lora_alpha must be a finite number, got {alpha!r:.40}") from None
+        weights = {key: (a, b * scaling) for key, (a, b) in _read_weights(path, hf_config, rank).items()}
+        for (layer, module), pair in weights.items():
+            if not all(torch.isfinite(t.to(dtype or torch.float32)).all() for t in pair):
+                raise ValueError(f"LoRA adapter {path}: layer {layer}'s {module} has weights that are not finite "
+                                 f"(NaN or infinite{'' if dtype is None else f' in {dtype}'}, scaling {scaling:g} "
+                                 f"included)")
+        return cls(path, rank, weights)
 
 
 def _read_config(path: str) -> dict:
@@ -79,13 +78,15 @@ def _read_config(path: str) -> dict:
         raise ValueError(f"LoRA adapter {path!r} is not a folder (it should hold {ADAPTER_CONFIG} and "
                          f"{ADAPTER_WEIGHTS})")
     config_path = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(config_path):  # (a regular file: a FIFO or a device would block or never end)
+        raise ValueError(f"LoRA adapter {path}: no {ADAPTER_CONFIG} file")
+    if os.path.getsize(config_path) > _MAX_CONFIG_BYTES:
+        raise ValueError(f"LoRA adapter {path}: {ADAPTER_CONFIG} is over {_MAX_CONFIG_BYTES} bytes")
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"LoRA adapter {path}: no {ADAPTER_CONFIG}") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"LoRA adapter {path}: {ADAPTER_CONFIG} could not be read: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"LoRA adapter {path}: {ADAPTER_CONFIG} could not be read: {type(e).__name__}: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"LoRA adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
     refused = [
@@ -104,68 +105,77 @@ def _read_config(path: str) -> dict:
     return config
 
 
-def _check_tensors(path: str, hf_config: Any, rank: int) -> set[tuple[int, str]]:
-    from safetensors import safe_open
+def _read_weights(path: str, hf_config: Any, rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """{(layer, projection): (A, B)} in float32, each name, dtype and shape checked, A and B in pairs."""
+    from safetensors.torch import load_file
 
     weights = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(weights):
         pickled = os.path.isfile(os.path.join(path, "adapter_model.bin"))
-        raise ValueError(f"LoRA adapter {path}: no {ADAPTER_WEIGHTS}" + (
+        raise ValueError(f"LoRA adapter {path}: no {ADAPTER_WEIGHTS} file" + (
             " (its adapter_model.bin is a pickle, which nanoinfer never loads: save the adapter with "
             "safe_serialization=True)" if pickled else ""))
-    shapes = target_shapes(hf_config)
-    found: dict[tuple[int, str], set[str]] = {}
     try:
-        with safe_open(weights, framework="pt") as f:
-            for name in f.keys():
-                match = _TENSOR_NAME.match(name)
-                if match is None or match.group(3) not in shapes or _PARENT[match.group(3)] != match.group(2):
-                    raise ValueError(f"LoRA adapter {path}: tensor {name!r} adapts a module nanoinfer does not "
-                                     f"(supported: the decoder layers' {', '.join(shapes)})")
-                layer, _, module, which = match.groups()
-                if int(layer) >= hf_config.num_hidden_layers:
-                    raise ValueError(f"LoRA adapter {path}: tensor {name!r} is for layer {layer}; the model has "
-                                     f"{hf_config.num_hidden_layers}")
-                in_features, out_features = shapes[module]
-                expected = (rank, in_features) if which == "A" else (out_features, rank)
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected:
-                    raise ValueError(f"LoRA adapter {path}: tensor {name!r} has shape {list(shape)}, expected "
-                                     f"{list(expected)} (rank {rank} on this model): was it trained for another "
-                                     f"model?")
-                found.setdefault((int(layer), module), set()).add(which)
-    except ValueError:
-        raise
+        tensors = load_file(weights)
     except Exception as e:  # a damaged file: safetensors' own errors
         raise ValueError(f"LoRA adapter {path}: {ADAPTER_WEIGHTS} could not be read: {e}") from None
-    unpaired = sorted(key for key, halves in found.items() if halves != {"A", "B"})
-    if unpaired:
-        layer, module = unpaired[0]
-        raise ValueError(f"LoRA adapter {path}: layer {layer}'s {module} has lora_{'A' if 'B' in found[unpaired[0]] else 'B'}"
-                         f" missing")
+    shapes = target_shapes(hf_config)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        match = _TENSOR_NAME.match(name)
+        if match is None or match.group(3) not in shapes or _PARENT[match.group(3)] != match.group(2):
+            raise ValueError(f"LoRA adapter {path}: tensor {name!r} adapts a module nanoinfer does not "
+                             f"(supported: the decoder layers' {', '.join(shapes)})")
+        layer, _, module, which = match.groups()
+        if int(layer) >= hf_config.num_hidden_layers:
+            raise ValueError(f"LoRA adapter {path}: tensor {name!r} is for layer {layer}; the model has "
+                             f"{hf_config.num_hidden_layers}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"LoRA adapter {path}: tensor {name!r} holds {tensor.dtype}, not floating-point weights")
+        in_features, out_features = shapes[module]
+        expected = (rank, in_features) if which == "A" else (out_features, rank)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"LoRA adapter {path}: tensor {name!r} has shape {list(tensor.shape)}, expected "
+                             f"{list(expected)} (rank {rank} on this model): was it trained for another model?")
+        found.setdefault((int(layer), module), {})[which] = tensor.float()
+    for (layer, module), pair in sorted(found.items()):
+        if len(pair) != 2:
+            raise ValueError(f"LoRA adapter {path}: layer {layer}'s {module} has lora_{'A' if 'B' in pair else 'B'} "
+                             f"missing")
     if not found:
         raise ValueError(f"LoRA adapter {path}: {ADAPTER_WEIGHTS} holds no LoRA weights")
-    return set(found)
+    return {key: (pair["A"], pair["B"]) for key, pair in found.items()}
 
 
 def admission_registry(config: Any, hf_config: Any) -> "LoRARegistry | None":
-    """The adapters an engine's admission checks: a registry when config.enable_lora, else None."""
-    return LoRARegistry(hf_config, config.max_lora_rank) if config.enable_lora else None
+    """The adapters an engine's admission checks: a registry when config.enable_lora, else None. Their weights must
+    be finite in float16 where the engine may run in it (config.dtype, or the model's own for "auto" on a GPU)."""
+    if not config.enable_lora:
+        return None
+    model_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "")
+    fp16 = config.dtype == "float16" or (config.dtype == "auto" and model_dtype.endswith("float16")
+                                         and not model_dtype.endswith("bfloat16"))
+    return LoRARegistry(hf_config, config.max_lora_rank, torch.float16 if fp16 else None)
 
 
 class LoRARegistry:
-    """Admission's adapters: each checked against the model once (`LoRAAdapter.read`), and each id standing for
+    """Admission's adapters: each checked against the model once (`LoRAAdapter.load`), and each id standing for
     one adapter: the same id with another name or folder is refused, since the id keys the runner's slots and
     the prefix cache."""
 
-    def __init__(self, hf_config: Any, max_lora_rank: int) -> None:
-        self.hf_config, self.max_lora_rank = hf_config, max_lora_rank
+    def __init__(self, hf_config: Any, max_lora_rank: int, dtype: torch.dtype | None = None) -> None:
+        """`dtype`: float16 where the model may run in it (its weights must stay finite there), else None."""
+        self.hf_config, self.max_lora_rank, self.dtype = hf_config, max_lora_rank, dtype
         self.known: dict[int, Any] = {}  # lora_int_id -> the LoRARequest that registered it
+
+    def forget(self, lora_int_id: int) -> None:
+        """An adapter the server unloaded (its ids are never used again)."""
+        self.known.pop(lora_int_id, None)
 
     def check(self, request: Any) -> None:
         known = self.known.get(request.lora_int_id)
         if known is None:
-            LoRAAdapter.read(request.lora_path, self.hf_config, self.max_lora_rank)
+            LoRAAdapter.load(request.lora_path, self.hf_config, self.max_lora_rank, self.dtype)
             self.known[request.lora_int_id] = request
         elif (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
             raise ValueError(f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} ({known.lora_path}) "

@@ -18,14 +18,14 @@ from nanoinfer.layers.fusion import use_kernels
 
 class LoRASlots:
     def __init__(self, in_features: int, out_slices: list[tuple[int, int]], out_features: int, num_slots: int,
-                 max_rank: int, mapping: torch.Tensor, token_slots: torch.Tensor) -> None:
+                 max_rank: int, mapping: torch.Tensor, token_slots: torch.Tensor, dtype: torch.dtype) -> None:
         """`out_slices`: (offset, size) of each packed sub-projection in this rank's output; `mapping`, `token_slots`:
-        the runner's [max tokens, num_slots] one-hot buffer and [max tokens] slot per token (-1: none), filled each
-        step (`LoRAModelManager.set_mapping`)."""
+        the runner's [max tokens, num_slots] one-hot (bool) buffer and [max tokens] slot per token (-1: none),
+        filled each step (`LoRAModelManager.set_mapping`); `dtype`: the model's."""
         self.out_slices, self.num_slots, self.max_rank = out_slices, num_slots, max_rank
         width = len(out_slices) * num_slots * max_rank
-        self.lora_a = torch.zeros(width, in_features, dtype=mapping.dtype, device=mapping.device)
-        self.lora_b = torch.zeros(out_features, width, dtype=mapping.dtype, device=mapping.device)
+        self.lora_a = torch.zeros(width, in_features, dtype=dtype, device=mapping.device)
+        self.lora_b = torch.zeros(out_features, width, dtype=dtype, device=mapping.device)
         self.mapping, self.token_slots = mapping, token_slots
 
     def _columns(self, sub: int, slot: int) -> slice:
@@ -53,6 +53,7 @@ class LoRASlots:
             from nanoinfer.kernels.lora import lora_expand  # triton: GPU runs only
 
             return lora_expand(out, shrunk, self.lora_b, self.token_slots[:tokens], self.num_slots, self.max_rank)
-        shrunk = shrunk.view(tokens, len(self.out_slices), self.num_slots, self.max_rank)
-        shrunk.mul_(self.mapping[:tokens, None, :, None])
+        # Selected, not multiplied: another slot's column may overflow (inf), and inf x 0 would be NaN.
+        shrunk = torch.where(self.mapping[:tokens, None, :, None],
+                             shrunk.view(tokens, len(self.out_slices), self.num_slots, self.max_rank), 0)
         return out.addmm_(shrunk.view(tokens, -1), self.lora_b.t())

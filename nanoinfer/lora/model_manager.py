@@ -27,9 +27,9 @@ class LoRAModelManager:
     def __init__(self, model: nn.Module, hf_config: Any, config: EngineConfig, max_tokens: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         """Give every adaptable projection of `model` its slots (zero: no adapter yet)."""
-        self.hf_config, self.max_rank = hf_config, config.max_lora_rank
+        self.hf_config, self.max_rank, self.dtype = hf_config, config.max_lora_rank, dtype
         self.num_slots, self.max_cpu_loras = config.max_loras, config.max_cpu_loras or config.max_loras
-        self.mapping = torch.zeros(max_tokens, self.num_slots, dtype=dtype, device=device)
+        self.mapping = torch.zeros(max_tokens, self.num_slots, dtype=torch.bool, device=device)
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.slot_ids = torch.arange(self.num_slots, device=device)
         self.targets: dict[tuple[int, str], _Target] = {}
@@ -44,7 +44,7 @@ class LoRAModelManager:
             else:
                 out_slices = [module.shard_range(shard_id) for _, shard_id in subs]
             module.lora = LoRASlots(module.weight.shape[1], out_slices, module.weight.shape[0], self.num_slots,
-                                    self.max_rank, self.mapping, self.token_slots)
+                                    self.max_rank, self.mapping, self.token_slots, dtype)
             self.slots.append(module.lora)
             for sub, (hf_name, _) in enumerate(subs):
                 self.targets[(layer, hf_name)] = (module, module.lora, sub)
@@ -58,9 +58,9 @@ class LoRAModelManager:
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
                 continue
-            try:
+            try:  # admission checked the folder; it changed since (the same checks run on what is read now)
                 tensors = self._tensors(request)
-            except Exception as e:  # admission checked it; the folder changed since
+            except Exception as e:
                 logger.warning("LoRA adapter %s (%s) could not be loaded: %s", request.lora_name, request.lora_path, e)
                 failed[lora_id] = f"LoRA adapter {request.lora_name!r} could not be loaded: {e}"
                 continue
@@ -78,7 +78,7 @@ class LoRAModelManager:
     def _tensors(self, request: LoRARequest) -> dict:
         tensors = self.cpu_cache.get(request.lora_int_id)
         if tensors is None:
-            tensors = LoRAAdapter.read(request.lora_path, self.hf_config, self.max_rank).load()
+            tensors = LoRAAdapter.load(request.lora_path, self.hf_config, self.max_rank, self.dtype).weights
             self.cpu_cache[request.lora_int_id] = tensors
             while len(self.cpu_cache) > self.max_cpu_loras:
                 self.cpu_cache.popitem(last=False)

@@ -138,7 +138,7 @@ class Scheduler:
         return failed
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request, uncache_computed=request.status == RequestStatus.FINISHED_ERROR)
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)

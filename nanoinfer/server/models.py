@@ -103,7 +103,9 @@ class OpenAIServingModels:
 
     def unload_lora_adapter(self, req: UnloadLoRAAdapterRequest) -> str:
         """Stop serving an adapter: new requests naming it get 404; those in flight finish with it."""
-        if self.lora_requests.pop(req.lora_name, None) is None:
+        lora = self.lora_requests.pop(req.lora_name, None)
+        if lora is None:
             raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
+        self.client.loras.forget(lora.lora_int_id)  # (admission's record: its id is never used again)
         logger.info("unloaded LoRA adapter %r", req.lora_name)
         return f"Success: LoRA adapter '{req.lora_name}' removed successfully."
