@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nanoinfer.config import EngineConfig
+from nanoinfer.distributed.parallel_state import tp_min
 from nanoinfer.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear, shard_of
 from nanoinfer.lora.adapter import LoRAAdapter
 from nanoinfer.lora.layers import LoRASlots
@@ -59,10 +60,13 @@ class LoRAModelManager:
                 self.slot_of.move_to_end(lora_id)
                 continue
             try:  # admission checked the folder; it changed since (the same checks run on what is read now)
-                tensors = self._tensors(request)
+                tensors, error = self._tensors(request), None
             except Exception as e:
-                logger.warning("LoRA adapter %s (%s) could not be loaded: %s", request.lora_name, request.lora_path, e)
-                failed[lora_id] = f"LoRA adapter {request.lora_name!r} could not be loaded: {e}"
+                tensors, error = None, str(e)
+            if tp_min(error is None) == 0:  # each TP rank reads the folder itself: all load it, or none does
+                why = error or "another tensor-parallel rank could not load it"
+                logger.warning("LoRA adapter %s (%s) could not be loaded: %s", request.lora_name, request.lora_path, why)
+                failed[lora_id] = f"LoRA adapter {request.lora_name!r} could not be loaded: {why}"
                 continue
             used = set(self.slot_of.values())
             free = [s for s in range(self.num_slots) if s not in used]
