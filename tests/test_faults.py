@@ -51,11 +51,11 @@ def install_faults(setattr=setattr, poison_temperature=POISON_TEMPERATURE, poiso
             raise RuntimeError("injected detokenizer fault")
         return update(self, new_token_ids, stop_terminated)
 
-    def leaky_free(self, request):
+    def leaky_free(self, request, uncache_computed=False):
         if request.sampling_params.temperature == leak_temperature:
             self.req_to_blocks.pop(request.request_id, None)  # forgotten, never returned to the pool
             return
-        free(self, request)
+        free(self, request, uncache_computed)
 
     setattr(Sampler, "forward", poisoned_forward)
     setattr(IncrementalDetokenizer, "update", poisoned_update)
