@@ -8,6 +8,7 @@ import asyncio
 import copy
 import dataclasses
 import re
+import time
 
 import psutil
 import pytest
@@ -260,6 +261,18 @@ def test_a_request_id_in_flight_is_refused(engine, runner):
     assert runner.run(main())[-1].outputs[0].finish_reason == "length"
 
 
+def test_an_id_is_free_once_its_final_output_is_out(engine, runner):
+    """As vLLM's: reading the final output frees the id, even while the reader keeps its generator open."""
+    async def main():
+        kept = engine.generate(PROMPTS[1], greedy(4, output_kind=RequestOutputKind.FINAL_ONLY), "reuse")
+        assert (await kept.__anext__()).finished
+        again = await collect(engine.generate(PROMPTS[1], greedy(4), "reuse"))
+        await kept.aclose()
+        return again
+
+    assert runner.run(main())[-1].finished
+
+
 # ----- errors -----
 
 
@@ -342,6 +355,29 @@ def test_shutdown_in_the_loop_ends_requests_in_flight(model_path, smollm2_path):
             await collect(engine.generate(PROMPTS[0], greedy(), "b"))
 
     asyncio.run(main())
+
+
+def test_shutdown_from_another_thread_ends_requests_in_flight(model_path, smollm2_path):
+    """The loop's own objects are touched on the loop (the other thread hands it the work): a reader awaiting
+    with no timer pending on the loop wakes with EngineDeadError."""
+    import threading
+
+    async def main():
+        engine = await started(engine_args(model_path, tokenizer=smollm2_path))
+        core = core_process(engine)
+        outputs = engine.generate(PROMPTS[0], greedy(400, output_kind=RequestOutputKind.FINAL_ONLY), "a")
+        reader = asyncio.ensure_future(collect(outputs))
+        await asyncio.sleep(0.3)
+        stopper = threading.Thread(target=engine.shutdown)
+        begun = time.monotonic()
+        stopper.start()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(reader, 30)  # (its timer would wake a loop nothing else woke: hence the clock)
+        assert time.monotonic() - begun < 10
+        await asyncio.to_thread(stopper.join)
+        assert not core.is_running()
+
+    asyncio.run(main(), debug=True)  # (debug: a loop object touched from another thread raises, every time)
 
 
 def test_a_failed_start_raises_in_every_call():

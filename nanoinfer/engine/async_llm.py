@@ -36,6 +36,16 @@ def _accumulate(so_far: RequestOutput | None, delta: RequestOutput) -> RequestOu
     return output
 
 
+_SHUTDOWN_TIMEOUT_S = 30.0  # shutdown() from another thread waits this long for the engine's loop to stop the core
+
+
+def _runs_here(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def _mark_retrieved(task: asyncio.Task) -> None:
     """A failed start-up raises in every later call, not also as asyncio's "exception was never retrieved"."""
     if not task.cancelled():
@@ -133,13 +143,28 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """vLLM's: stop the engine core process (asked to, killed after 10 s) and release its sockets, blocking
         until it has exited; requests in flight end with EngineDeadError. Safe to call again, in or out of the
-        event loop, also once the loop has stopped."""
+        event loop (from another thread: the loop's own thread does the work), also once the loop has stopped."""
         self._shut_down = True
+        loop = None if self._started is None else self._started.get_loop()
+        if loop is not None and loop.is_running() and not _runs_here(loop):
+            # Its loop runs in another thread, whose objects (streams, tasks, sockets) only that thread may touch.
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown_on_loop(), loop).result(_SHUTDOWN_TIMEOUT_S)
+            except TimeoutError:  # that loop is stuck: stop the core from here all the same
+                self._finalizer()
+        else:
+            self._stop()
+        atexit.unregister(self._finalizer)
+
+    async def _shutdown_on_loop(self) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        """On the engine's loop, or once no loop runs: cancel a start still under way, stop the core."""
         started = self._started
         if started is not None and not started.done() and not started.get_loop().is_closed():
             started.cancel()  # a start not yet run never spawns the core; one under way stops at its next wait
         self._finalizer()  # (a finalizer runs once)
-        atexit.unregister(self._finalizer)
 
     # ----- requests -----
 
@@ -183,6 +208,8 @@ class AsyncLLM:
                 output.request_id = request_id  # (the stream's objects are handed over: no one else holds them)
                 if cumulative:
                     so_far = output = _accumulate(so_far, output)
+                if output.finished and self._requests.get(request_id) is stream:
+                    del self._requests[request_id]  # its id is free again, whether or not the reader goes on
                 yield output
         finally:
             self._client.abort(stream)
