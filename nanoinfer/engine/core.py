@@ -35,12 +35,18 @@ def resolve_device_and_dtype(config: EngineConfig, hf_config) -> tuple[torch.dev
     if config.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was asked for but no CUDA GPU is available")
     device = torch.device("cuda" if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()) else "cpu")
-    if config.dtype != "auto":
-        return device, _DTYPES[config.dtype]
-    if device.type == "cpu":
+    if config.dtype == "auto" and device.type == "cpu":
         return device, torch.float32
+    return device, gpu_dtype(config, hf_config)
+
+
+def gpu_dtype(config: EngineConfig, hf_config) -> torch.dtype:
+    """What a model runs in on a GPU: config.dtype, or for "auto" the model's own float16 / bfloat16 (bfloat16 for
+    any other)."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
     model_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    return device, model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 _heap_frozen = False

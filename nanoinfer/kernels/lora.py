@@ -1,8 +1,8 @@
 """LoRA's expand with the slot mask in one kernel: out += (each token's shrunk row, kept only in its own adapter
 slot's columns) B^T, added into `out` in place.
 
-The PyTorch path (lora/layers.py) multiplies the shrunk rows by a one-hot mask and then runs an addmm: two
-kernels where this is one. At decode sizes each is a few microseconds of mostly fixed cost, and a layer adapts
+The PyTorch path (lora/layers.py) zeroes other slots' columns of the shrunk rows with a one-hot mask and then runs
+an addmm: two kernels where this is one. At decode sizes each is a few microseconds of mostly fixed cost, and a layer adapts
 four projections, so the mask kernel alone is ~0.3 ms of a step (bench/RESULTS.md). The math is the same: the
 products of the kept columns summed in float32 with `out`, rounded once.
 

@@ -150,11 +150,11 @@ def _read_weights(path: str, hf_config: Any, rank: int) -> dict[tuple[int, str],
 def admission_registry(config: Any, hf_config: Any) -> "LoRARegistry | None":
     """The adapters an engine's admission checks: a registry when config.enable_lora, else None. Their weights must
     be finite in float16 where the engine may run in it (config.dtype, or the model's own for "auto" on a GPU)."""
+    from nanoinfer.engine.core import gpu_dtype  # (the engine's own choice; imported here: the core imports this)
+
     if not config.enable_lora:
         return None
-    model_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None) or "")
-    fp16 = config.dtype == "float16" or (config.dtype == "auto" and model_dtype.endswith("float16")
-                                         and not model_dtype.endswith("bfloat16"))
+    fp16 = gpu_dtype(config, hf_config) == torch.float16
     return LoRARegistry(hf_config, config.max_lora_rank, torch.float16 if fp16 else None)
 
 

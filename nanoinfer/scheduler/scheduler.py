@@ -194,7 +194,7 @@ class Scheduler:
 
         # Admit waiting requests only when nothing had to be preempted this step.
         not_ready = []  # grammars still compiling (structured outputs), adapters without a slot: they keep their place
-        loras = {r.lora_int_id for r in self.running} - {0} if self.config.enable_lora else set()
+        loras = self._running_loras() if self.config.enable_lora else set()  # (no pass over running without LoRA)
         while not preempted_any and len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.lora_int_id and request.lora_int_id not in loras and len(loras) >= self.config.max_loras:
@@ -321,6 +321,10 @@ class Scheduler:
                 request.spec_token_ids = self.proposer.propose(req_id, request.all_token_ids, room)
         return results
 
+    def _running_loras(self) -> set[int]:
+        """The ids of the LoRA adapters of running requests (at most max_loras)."""
+        return {r.lora_int_id for r in self.running} - {0}
+
     def lora_adapters(self) -> tuple[list[str], list[str]]:
         """The names of the LoRA adapters of running requests, and of waiting ones (the lora_requests_info metric)."""
         return tuple(sorted({r.lora_request.lora_name for r in queue if r.lora_request is not None})
@@ -338,7 +342,7 @@ class Scheduler:
             assert req_id in self.requests, f"blocks held by unknown request {req_id}"
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
-        loras = {r.lora_int_id for r in self.running} - {0}
+        loras = self._running_loras()
         assert len(loras) <= (self.config.max_loras if self.config.enable_lora else 0), f"running adapters {loras}"
         for request in self.waiting:
             assert request.request_id not in self.kv_cache_manager.req_to_blocks, f"waiting {request.request_id} holds blocks"
