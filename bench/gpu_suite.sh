@@ -15,7 +15,7 @@ fi
 if [ "$what" = all ] || [ "$what" = kernel_tests ]; then  # ~6 min on an H200: a call of its own
   run 450 gpu_kernel_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/gpu/test_triton_gpu.py \
     tests/test_triton_kernels.py tests/test_sampling_kernel.py tests/test_skinny_gemm.py tests/test_all_reduce_kernel.py \
-    tests/test_lora_kernel.py -q -p no:cacheprovider \
+    tests/test_lora_kernel.py tests/test_fp8.py -q -p no:cacheprovider \
     --timeout 120 --durations 5
 fi
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -75,6 +75,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _arg(None, f"token budget of one step (prefill chunks + decodes); default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, and for the offline LLM (generate, chat, benchmarks) {OFFLINE_LARGE_GPU_MAX_NUM_BATCHED_TOKENS} on a GPU of 70 GiB or more other than an A100, as in vLLM")
     max_num_seqs: int = _arg(256, "most requests in one step")
     kv_cache_dtype: str = _arg("auto", "KV cache element type (auto: the model's dtype; fp8 / fp8_e4m3: float8_e4m3fn, half the bytes of bf16, values stored unscaled, saturated at +-448)", ("auto", "fp8", "fp8_e4m3"))
+    quantization: str | None = _arg(None, "weight quantization: fp8 stores every decoder projection's weight as float8_e4m3fn with a scale per output row (half the bytes of bf16; the embedding and LM head stay as they are); a checkpoint quantized to fp8 (its config.json's quantization_config) loads as fp8 without it (default: none)", ("fp8",))
     enable_prefix_caching: bool = _arg(True, "share KV blocks of equal prompt prefixes")
     enable_chunked_prefill: bool | None = _arg(True, "split long prompts across steps within the token budget: always on "
                                               "(the scheduler has one token budget for prefills and decodes)")

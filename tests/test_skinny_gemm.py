@@ -281,7 +281,7 @@ def chosen(monkeypatch):
     (and whether a residual came)."""
     calls = []
 
-    def record(x, w, b=None, *, residual=None, config=None):
+    def record(x, w, b=None, *, residual=None, config=None, weight_scale=None):
         calls.append(tuple(x.shape) if residual is None else (tuple(x.shape), "residual"))
         return F.linear(x, w, b) if residual is None else residual.add_(F.linear(x, w, b))
 
@@ -357,8 +357,8 @@ def test_tuning_is_a_no_op_on_cpu(monkeypatch):
     })
     groups = sg.linear_weights(model)
     assert sorted(groups) == [(24, 32, torch.float32), (32, 24, torch.float32)]
-    assert [b is not None for _, b in groups[(24, 32, torch.float32)]] == [False, False]
-    assert [b is not None for _, b in groups[(32, 24, torch.float32)]] == [True]
+    assert [b is not None for _, b, _ in groups[(24, 32, torch.float32)]] == [False, False]
+    assert [b is not None for _, b, _ in groups[(32, 24, torch.float32)]] == [True]
     monkeypatch.setattr(dispatch, "_choices", {})
     assert sg.tune_skinny_gemm(model, [1, 2, 4, 8, 16, 32]) == {}
     assert dispatch._choices == {}
@@ -376,13 +376,13 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
     def fake_seconds(calls):
         fn, (x, w, _) = calls[0].func, calls[0].args
         timed.append((fn.__name__, x.shape[0], tuple(w.shape), len(calls)))
-        if fn is F.linear:
+        if fn is dispatch.dense_linear:
             return 1.0
         return 0.5 if w.shape == (24, 32) and x.shape[0] <= 2 else 2.0  # skinny wins there only
 
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "graph_seconds_per_call", fake_seconds)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config: F.linear(x, w, b))  # correct, as checked first
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config, weight_scale: F.linear(x, w, b))  # correct
     monkeypatch.setattr(dispatch, "_choices", {})
     results = sg.tune_skinny_gemm(model, [1, 2, 3, 8, 16, 32, 48], min_calls=8)
     buckets = [1, 2, 4, 8, 16]  # 3 -> 4; 32 and 48 are above MAX_M
@@ -404,9 +404,9 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
     timed = []
     monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
     monkeypatch.setattr(sg, "graph_seconds_per_call", lambda calls: timed.append(calls) or 0.0)
-    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config: F.linear(x, w, b) * 1.1)
+    monkeypatch.setattr(sg, "skinny_linear", lambda x, w, b, config, weight_scale: F.linear(x, w, b) * 1.1)
     monkeypatch.setattr(dispatch, "_choices", {})
     results = sg.tune_skinny_gemm(model, [1, 4])
     assert dispatch._choices == {(1, 24, 32, torch.float32): None, (4, 24, 32, torch.float32): None}
     assert [r[2] for r in results.values()] == [None, None]
-    assert [c[0].func for c in timed] == [F.linear, F.linear] and "not used" in caplog.text
+    assert [c[0].func for c in timed] == [dispatch.dense_linear] * 2 and "not used" in caplog.text

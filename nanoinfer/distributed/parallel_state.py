@@ -199,6 +199,13 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise largest `x` over the TP group, in place, and return it."""
+    if tp_world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return x
+
+
 def tp_broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's `x` on every rank, in place. On GPUs this is ordered on the stream like any kernel
     (no host wait), so workers get each step's sampled tokens on the device in time for the next."""

@@ -32,6 +32,8 @@ Design:
   launch. So a split launch is still one kernel: no zero-fill, no second
   reduction kernel, no fp32-to-bf16 cast kernel. The counters are
   `arrival_counters`, shared with split-KV attention.
+* fp8 weights (layers/fp8.py) are loaded as they are stored (half the bytes of bf16), converted to x's
+  dtype in registers before the dot, and each column's scale multiplies the fp32 sum in the epilogue.
 * On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
   programs start while the previous kernel finishes and wait only before loading x;
   they release the next kernel once their K loop is done.
@@ -66,11 +68,13 @@ import triton.language as tl
 
 from nanoinfer.kernels import INTERPRETER, arrival_counters, num_sms, pdl_enabled
 from nanoinfer.layers import skinny_dispatch
+from nanoinfer.layers.fp8 import dequantized
 from nanoinfer.layers.skinny_dispatch import MAX_M
 
 logger = logging.getLogger("nanoinfer")
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # with a float32 scale per weight row
 
 # ----- launch heuristic (retune from `bench/kernels.py --gemm` on the GPU) -----
 
@@ -170,10 +174,12 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int, dtype: torch.dtype =
 
 
 @triton.jit
-def _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS: tl.constexpr,
-                  HAS_RESIDUAL: tl.constexpr):
-    """acc (+ bias) (+ the residual, which out holds), in fp32, rounded once. Each element of out
-    is read and written by the same program only, so the residual can be updated in place."""
+def _store_output(acc, s_ptr, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_SCALE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """acc (* the weight rows' scales) (+ bias) (+ the residual, which out holds), in fp32, rounded once. Each
+    element of out is read and written by the same program only, so the residual can be updated in place."""
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
@@ -188,6 +194,7 @@ def _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om
 def _skinny_gemm_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,  # [N] float32 scales of fp8 weight rows (unused without HAS_SCALE)
     b_ptr,
     out_ptr,  # [M, N]: with HAS_RESIDUAL, holds the residual on entry
     partial_ptr,  # [SPLIT_K, M, N] fp32 (unused when SPLIT_K == 1)
@@ -201,6 +208,7 @@ def _skinny_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -231,6 +239,8 @@ def _skinny_gemm_kernel(
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
+        elif HAS_SCALE:  # fp8 weights: multiplied in x's dtype
+            w = w.to(x.dtype)
         # "ieee" keeps fp32 inputs exact (no TF32); it is ignored for 16-bit inputs.
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         x_ptrs += BLOCK_K * stride_xk
@@ -241,7 +251,8 @@ def _skinny_gemm_kernel(
         # of programs its waiting ones would take SM slots from our later waves (bench/NOTES.md).
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
-        _store_output(acc, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS, HAS_RESIDUAL)
+        _store_output(acc, s_ptr, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_SCALE, HAS_BIAS,
+                      HAS_RESIDUAL)
     else:
         mask_mn = mask_m[:, None] & mask_n[None, :]
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -259,10 +270,12 @@ def _skinny_gemm_kernel(
                                 cache_modifier=".cg")
                 total += tl.where(mine, acc, other)
             tl.store(counter_ptr + pid_n, 0)
-            _store_output(total, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_BIAS, HAS_RESIDUAL)
+            _store_output(total, s_ptr, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, stride_om, HAS_SCALE,
+                          HAS_BIAS, HAS_RESIDUAL)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
     if weight.dim() != 2:
@@ -276,8 +289,16 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"empty matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype {x.dtype} not supported; use one of {_SUPPORTED_DTYPES}")
-    if weight.dtype != x.dtype:
+    if weight_scale is None and weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if weight_scale is not None:
+        if weight.dtype != _FP8_WEIGHT_DTYPE:
+            raise ValueError(f"a weight with weight_scale must be {_FP8_WEIGHT_DTYPE}, got {weight.dtype}")
+        if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32:
+            raise ValueError(f"weight_scale must be float32 of shape ({weight.shape[0]},), got "
+                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+        if weight_scale.device != x.device:
+            raise ValueError(f"weight_scale is on {weight_scale.device}, x on {x.device}")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     for name, t in (("x", x), ("weight", weight)):
@@ -309,17 +330,19 @@ def _check_residual(residual: torch.Tensor, x: torch.Tensor, N: int) -> None:
 def skinny_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     residual: torch.Tensor | None = None, config: SkinnyConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (any strides) @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation.
     With `residual` [M, N]: residual + x @ weight^T (+ bias), summed in fp32 and rounded once, written
-    into `residual` in place and returned."""
-    _check_inputs(x, weight, bias)
+    into `residual` in place and returned. With `weight_scale` [N] (a float8_e4m3fn weight): the weight
+    is weight * weight_scale[:, None]."""
+    _check_inputs(x, weight, bias, weight_scale)
     M, K = x.shape
     N = weight.shape[0]
     if residual is not None:
         _check_residual(residual, x, N)
     if config is None:
-        config = choose_config(M, N, K, num_sms(x.device), x.dtype)
+        config = choose_config(M, N, K, num_sms(x.device), weight.dtype)
     elif config.block_m < M or config.split_k < 1:
         raise ValueError(f"config {config} cannot cover M={M}")
     if bias is not None and bias.stride(0) != 1:
@@ -333,9 +356,11 @@ def skinny_linear(
     else:
         partial = counters = out  # unused
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else out, out, partial, counters,
+        x, weight, weight_scale if weight_scale is not None else out, bias if bias is not None else out, out,
+        partial, counters,
         M, N, K, config.k_per_split(K),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0),
+        HAS_SCALE=weight_scale is not None,
         HAS_BIAS=bias is not None,
         HAS_RESIDUAL=residual is not None,
         SPLIT_K=config.split_k,
@@ -378,8 +403,9 @@ def graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) 
     return statistics.median(times) / len(calls)
 
 
-def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor | None]]]:
-    """(N, K, dtype) -> [(weight, bias the layer passes)] of every linear layer routed through `linear`."""
+def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, ...]]]:
+    """(N, K, weight dtype) -> [(weight, bias the layer passes, weight_scale)] of every linear layer routed through
+    `linear`."""
     from nanoinfer.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 
     groups: dict = {}
@@ -390,25 +416,37 @@ def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype],
             # Column-parallel biases are added after the deferred norm's scale (`DeferredNorm`), not by the matmul.
             if isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and module.tp_rank != 0):
                 bias = None
-            groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append((weight, bias))
+            groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append(
+                (weight, bias, module.weight_scale))
     return groups
 
 
-# ||skinny - cuBLAS|| / ||cuBLAS|| a correct kernel stays well inside (both accumulate in float32).
+# ||skinny - reference|| / ||reference|| a correct kernel stays well inside (both accumulate in float32).
 _TUNE_REL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def _activation_dtype(model: torch.nn.Module, weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of x for weights of `weight_dtype`: theirs, or for fp8 weights the model's (its first 16- or
+    32-bit float parameter); None where there is none the kernel takes."""
+    if weight_dtype in _SUPPORTED_DTYPES:
+        return weight_dtype
+    if weight_dtype != _FP8_WEIGHT_DTYPE:
+        return None
+    return next((p.dtype for p in model.parameters() if p.dtype in _SUPPORTED_DTYPES), None)
 
 
 @torch.inference_mode()
 def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_calls: int = 64) -> dict:
-    """Time `F.linear` against `skinny_linear` at each of `candidate_configs` once per (M bucket
-    <= 16, N, K, dtype) of the model's linear layers and record the fastest for `linear`
-    (a config, or None for cuBLAS).
+    """Time `dense_linear` (cuBLAS: `F.linear`, or for fp8 weights `fp8_matmul`) against `skinny_linear`
+    at each of `candidate_configs` once per (M bucket <= 16, N, K, weight dtype) of the model's linear
+    layers and record the fastest for `linear` (a config, or None for cuBLAS).
 
     Each timing replays a CUDA graph of >= `min_calls` calls that rotate over every layer's own
     weight of that shape (28 distinct matrices for Qwen3-0.6B), so the weights stream from HBM
     as in a decode step rather than sitting in L2; graphs also hide launch overhead. Both sides
-    run on the same random x. Set NANOINFER_SKINNY_GEMM=0 to skip (everything stays cuBLAS).
-    Returns {(M, N, K, dtype): (cublas_us, best_us, best config or None)}."""
+    run on the same random x; each config is first checked against the product in float32 of x and the
+    weight as the layer means it (an fp8 weight times its scales). Set NANOINFER_SKINNY_GEMM=0 to skip
+    (everything stays cuBLAS). Returns {(M, N, K, weight dtype): (cublas_us, best_us, best config or None)}."""
     if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0":
         return {}
     groups = linear_weights(model)
@@ -420,30 +458,31 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
     ms = sorted({skinny_dispatch.m_bucket(b) for b in buckets if 1 <= b <= MAX_M})
     start = time.perf_counter()
     results = {}
-    for (N, K, dtype), layers in groups.items():
-        if dtype not in _SUPPORTED_DTYPES:
+    for (N, K, weight_dtype), layers in groups.items():
+        dtype = _activation_dtype(model, weight_dtype)
+        if dtype is None:
             continue
         rounds = math.ceil(min_calls / len(layers))
         for M in ms:
             x = torch.randn(M, K, device=device, dtype=dtype)
-            w, b = layers[0]
-            expected = F.linear(x, w, b).float()
-            cublas = [functools.partial(F.linear, x, w, b) for w, b in layers] * rounds
-            best, t_best = None, graph_seconds_per_call(cublas)
-            t_cublas = t_best
-            for config in candidate_configs(M, N, K, num_sms(device), dtype):
-                out = skinny_linear(x, w, b, config=config).float()
+            w, b, s = layers[0]
+            expected = F.linear(x.float(), dequantized(w, s, torch.float32), None if b is None else b.float())
+            dense = [functools.partial(skinny_dispatch.dense_linear, x, w, b, weight_scale=s) for w, b, s in layers]
+            best, t_best = None, graph_seconds_per_call(dense * rounds)
+            t_dense = t_best
+            for config in candidate_configs(M, N, K, num_sms(device), weight_dtype):
+                out = skinny_linear(x, w, b, config=config, weight_scale=s).float()
                 error = ((out - expected).norm() / expected.norm().clamp_min(1e-30)).item()
                 if not error <= _TUNE_REL_TOL[dtype]:  # a kernel that is wrong on this GPU never wins
-                    logger.error("skinny GEMM %dx%dx%d %s %s: relative error %.2g vs cuBLAS; not used", M, N, K,
-                                 dtype, config, error)
+                    logger.error("skinny GEMM %dx%dx%d %s %s: relative error %.2g vs the float32 product; not used",
+                                 M, N, K, weight_dtype, config, error)
                     continue
-                t = graph_seconds_per_call([functools.partial(skinny_linear, x, w, b, config=config)
-                                            for w, b in layers] * rounds)
+                t = graph_seconds_per_call([functools.partial(skinny_linear, x, w, b, config=config, weight_scale=s)
+                                            for w, b, s in layers] * rounds)
                 if t < t_best:
                     best, t_best = config, t
-            skinny_dispatch._choices[(M, N, K, dtype)] = best
-            results[(M, N, K, dtype)] = (t_cublas * 1e6, t_best * 1e6, best)
+            skinny_dispatch._choices[(M, N, K, weight_dtype)] = best
+            results[(M, N, K, weight_dtype)] = (t_dense * 1e6, t_best * 1e6, best)
     logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/best us, * = skinny): %s", time.perf_counter() - start,
                 ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if c else ''}" for (m, n, k, _), (a, b, c) in results.items()))
     return results

@@ -18,8 +18,11 @@ With LoRA adapters enabled, each layer also holds its adapters' slots (`lora`, n
 adds each token's adapter delta to the matmul's output, before the deferred norm scale and the all-reduce (both
 linear, so they apply to the delta as they do to the product).
 
+With `quantization="fp8"` each layer's weight becomes float8_e4m3fn with a float32 scale per output row
+(`quantize_fp8`, once the norms are folded: layers/fp8.py).
+
 Every forward's matmul goes through `nanoinfer.layers.skinny_dispatch.linear`:
-`F.linear`, except for decode-sized inputs on a GPU where the start-up tuning
+`F.linear` (fp8: `fp8_matmul`), except for decode-sized inputs on a GPU where the start-up tuning
 found the skinny Triton kernel faster.
 """
 
@@ -28,7 +31,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_rank, tp_world_size
+from nanoinfer.distributed.parallel_state import (fused_all_reduce, tp_all_reduce, tp_all_reduce_max, tp_rank,
+                                                  tp_world_size)
+from nanoinfer.layers.fp8 import quantize_per_row, row_amax
 from nanoinfer.layers.layernorm import DeferredNorm
 from nanoinfer.layers.skinny_dispatch import linear
 from nanoinfer.lora.layers import LoRASlots
@@ -85,6 +90,20 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.lora: LoRASlots | None = None  # set by the runner's LoRAModelManager when enable_lora
+        self.weight_scale: torch.Tensor | None = None  # fp8 weights: float32 [output_size] (`quantize_fp8`)
+
+    def quantize_fp8(self) -> None:
+        """The loaded (and norm-folded) weight to float8_e4m3fn with one scale per output row."""
+        if self.weight_scale is not None:
+            raise RuntimeError(f"{type(self).__name__}: the weight is fp8 already")
+        q, scale = quantize_per_row(self.weight.data, self.full_row_amax())
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale = scale
+
+    def full_row_amax(self) -> torch.Tensor | None:
+        """Each weight row's largest magnitude over all ranks, where a rank holds only part of each row (None:
+        this rank's rows are whole)."""
+        return None
 
 
 class ColumnParallelLinear(LinearBase):
@@ -113,7 +132,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, hidden: torch.Tensor, eps: float) -> tuple[torch.Tensor, DeferredNorm]:
         """(h W^T, what the kernel after the matmul applies: the norm's scale of each row, then the bias)."""
-        out = linear(hidden, self.weight)
+        out = linear(hidden, self.weight, weight_scale=self.weight_scale)
         if self.lora is not None:
             self.lora.add_to(out, hidden)
         return out, DeferredNorm(hidden, eps, self.bias)
@@ -173,13 +192,18 @@ class RowParallelLinear(LinearBase):
             loaded_weight = shard_of(loaded_weight, 1, self.tp_rank, self.tp_size)
         copy_weight(param.data, loaded_weight)
 
+    def full_row_amax(self) -> torch.Tensor | None:
+        """Each rank holds a slice of every row: the row's scale is the whole row's, as with one rank, so fp8
+        weights (and outputs) do not depend on the tensor-parallel size."""
+        return None if self.tp_size == 1 else tp_all_reduce_max(row_amax(self.weight.data))
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The residual stream with this layer's output added: in place on one GPU (the matmul's epilogue)."""
         if self.tp_size == 1:
-            out = linear(x, self.weight, self.bias, residual=residual)
+            out = linear(x, self.weight, self.bias, residual=residual, weight_scale=self.weight_scale)
             return out if self.lora is None else self.lora.add_to(out, x)
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
-        partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, weight_scale=self.weight_scale)
         if self.lora is not None:  # this rank's input shard through its A shard: the all-reduce sums the parts
             self.lora.add_to(partial, x)
         return reduce_partial(partial, residual, self.all_reduce_slot)

@@ -7,7 +7,9 @@ Loading streams one checkpoint tensor at a time; each parameter's
 parallelism no rank holds the full model. Dummy weights take the same path
 with generated checkpoint tensors, so every TP size sees the same model.
 Every name is checked before anything is read: a missing or unexpected
-weight fails fast, naming it.
+weight fails fast, naming it. An fp8 checkpoint's weights are dequantized
+as they are read (their scales are read with them); `quantization="fp8"`
+quantizes the model once its weights are processed (layers/fp8.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanoinfer.layers.linear import default_weight_loader
+from nanoinfer.layers import fp8
+from nanoinfer.layers.linear import LinearBase, default_weight_loader
 from nanoinfer.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -127,6 +130,9 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
     if not loaded.dtype.is_floating_point:  # an integer copy would load silently as garbage
         raise ValueError(f"checkpoint tensor {name!r} is {loaded.dtype}: weights must be floating point "
                          f"(quantized checkpoints are not supported)")
+    if loaded.element_size() == 1:  # float8 values without their scales would load silently wrong
+        raise ValueError(f"checkpoint tensor {name!r} is {loaded.dtype}, but config.json has no fp8 "
+                         f"quantization_config saying how to scale it")
     weight_loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         weight_loader(param, loaded, shard_id)
@@ -137,10 +143,38 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
         ) from e
 
 
+def _is_fp8_scale(name: str, fp8_checkpoint: bool) -> bool:
+    """Whether checkpoint tensor `name` is an fp8 weight's scale (read with its weight, not loaded on its own)."""
+    return fp8_checkpoint and name.rpartition(".")[2] in fp8.SCALE_SUFFIXES
+
+
+def _read_tensor(f: Any, file: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as e:  # safetensors' own error type: a file cut short, a corrupt offset
+        raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from None
+
+
+def _dequantized(name: str, tensor: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None
+                 ) -> torch.Tensor:
+    """An fp8 checkpoint weight times its scale (`<module>.weight_scale_inv`, or `.weight_scale`), in float32."""
+    module = name.removesuffix(".weight")
+    scale_name = next((f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in where), None)
+    if not name.endswith(".weight") or scale_name is None:
+        raise ValueError(f"fp8 checkpoint tensor {name!r} has no scale ({module}.weight_scale_inv or "
+                         f"{module}.weight_scale) in the checkpoint")
+    with _open_safetensors(where[scale_name]) as f:
+        scale = _read_tensor(f, where[scale_name], scale_name)
+    return fp8.dequantize_checkpoint_weight(name, tensor, scale, block)
+
+
 def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_head: bool = True) -> None:
     """Every checkpoint tensor into its parameter. An export of the bare model (sentence-transformers' and most
     embedding models': `layers.0...`, no LM head) loads too, its names read under "model."; its LM head may be
-    missing where nothing computes logits (`needs_lm_head` False: runner="pooling")."""
+    missing where nothing computes logits (`needs_lm_head` False: runner="pooling"). An fp8 checkpoint's
+    float8 weights are dequantized with their scales as they are read."""
+    fp8_checkpoint = fp8.resolve_quantization(None, hf_config) == "fp8"
+    block = fp8.checkpoint_block_size(hf_config) if fp8_checkpoint else None
     files = _safetensors_files(folder)
     names_by_file: dict[Path, list[str]] = {}
     where: dict[str, Path] = {}
@@ -151,20 +185,25 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
             if name in where:  # one would silently overwrite the other
                 raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
             where[name] = file
+    scale = next((n for n in where if _is_fp8_scale(n, True)), None)
+    if not fp8_checkpoint and scale is not None:
+        raise ValueError(f"the checkpoint holds fp8 scales ({scale!r}), but config.json has no fp8 "
+                         f"quantization_config saying how to apply them")
     own = _checkpoint_targets(model)
     rename = {n: f"model.{n}" for n in where if n not in own and f"model.{n}" in own}
     twice = next((n for n in rename if rename[n] in where), None)
     if twice is not None:  # one would silently overwrite the other
         raise ValueError(f"tensor {rename[twice]!r} is in the checkpoint twice: as {twice!r} and {rename[twice]!r}")
-    targets = _match_names(model, {rename.get(n, n) for n in where}, f"checkpoint in {str(folder)!r}",
-                           frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
+    targets = _match_names(model, {rename.get(n, n) for n in where if not _is_fp8_scale(n, fp8_checkpoint)},
+                           f"checkpoint in {str(folder)!r}", frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
     for file, names in names_by_file.items():
         with _open_safetensors(file) as f:
             for name in names:
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as e:  # safetensors' own error type: a file cut short, a corrupt offset
-                    raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from None
+                if _is_fp8_scale(name, fp8_checkpoint):
+                    continue
+                tensor = _read_tensor(f, file, name)
+                if fp8_checkpoint and tensor.dtype == fp8.FP8_DTYPE:
+                    tensor = _dequantized(name, tensor, where, block)
                 _load_tensor(targets, rename.get(name, name), tensor)
 
 
@@ -232,9 +271,11 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     needs_lm_head: bool = True,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the architecture named by `hf_config` directly on `device` in `dtype` and load its
-    weights (`auto` and `safetensors` read `model_path`; `dummy` needs no files)."""
+    weights (`auto` and `safetensors` read `model_path`; `dummy` needs no files). `quantization`
+    ("fp8", from `fp8.resolve_quantization`): the decoder's projections then hold fp8 weights."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {LOAD_FORMATS}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -252,4 +293,13 @@ def load_model(
     else:
         _load_safetensors(model, folder, hf_config, needs_lm_head)
     model.process_weights_after_loading()
+    if quantization == "fp8":
+        for name, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                try:
+                    module.quantize_fp8()
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}")
     return model.eval()

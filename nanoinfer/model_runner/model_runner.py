@@ -20,6 +20,7 @@ from nanoinfer.distributed.parallel_state import enable_symmetric_all_reduce, tp
 from nanoinfer.host_copy import to_device_many
 from nanoinfer.layers.skinny_dispatch import set_skinny_gemm
 from nanoinfer.layers.attention import bind_kv_cache
+from nanoinfer.layers.fp8 import resolve_quantization
 from nanoinfer.layers.fusion import set_fusion
 from nanoinfer.loader.weights import load_model
 from nanoinfer.lora.model_manager import LoRAModelManager
@@ -77,7 +78,8 @@ class ModelRunner:
         set_skinny_gemm(device.type == "cuda" and not config.enforce_eager)
         load_format = "safetensors" if config.load_format == "gguf" else config.load_format  # converted on resolve
         self.pooler = None if pooler is None else Pooler(pooler.pooling_type)
-        self.model = load_model(model_path, hf_config, load_format, dtype, device, needs_lm_head=self.pooler is None)
+        self.model = load_model(model_path, hf_config, load_format, dtype, device, needs_lm_head=self.pooler is None,
+                                quantization=resolve_quantization(config.quantization, hf_config))
         # LoRA slots are allocated now, so the KV cache sizing counts them. A step has at most this many tokens.
         self.lora = LoRAModelManager(self.model, hf_config, config, max(config.max_num_batched_tokens,
                                                                         config.max_num_seqs), dtype, device) \

@@ -198,6 +198,28 @@ def test_fast_path_bf16_tracks_fp32_like_the_reference_path(fp32_reference: list
     assert_tracks_fp32_like_the_reference_path(fp32_reference, "bf16", dtype="bfloat16")
 
 
+def test_fp8_weights_in_graphs_equal_the_reference_path_fp32() -> None:
+    """quantization="fp8" in float32: decode graphs run the skinny kernel on the fp8 weights (the start-up tuning
+    chose it for some shapes: asserted), larger steps upcast the weights, as the PyTorch reference path does at
+    every size; both are x @ (q * scale)^T, so the tokens are equal up to near-ties."""
+    from nanoinfer.layers import skinny_dispatch
+
+    reference = greedy(CONFIG, load_format="dummy", dtype="float32", quantization="fp8", **REFERENCE_PATH)
+    skinny_dispatch._choices.clear()
+    fast = greedy(CONFIG, load_format="dummy", dtype="float32", quantization="fp8")
+    fp8_choices = {k: v for k, v in skinny_dispatch._choices.items() if k[3] == torch.float8_e4m3fn}
+    print(f"fp8 skinny choices: {fp8_choices}")
+    assert any(v is not None for v in fp8_choices.values())
+    assert_greedy_close(reference, fast)
+
+
+def test_fp8_weights_bf16_track_fp32_like_the_reference_path(fp32_reference: list) -> None:
+    """quantization="fp8" in bf16: decode-sized steps multiply bf16 activations by the fp8 weights (the skinny
+    kernel), larger ones quantize the activations per token and run torch._scaled_mm; the reference path runs
+    the latter at every size. Both follow the unquantized fp32 tokens about as long."""
+    assert_tracks_fp32_like_the_reference_path(fp32_reference, "fp8-weights", dtype="bfloat16", quantization="fp8")
+
+
 def test_speculative_decoding_equals_the_reference_fp32(fp32_reference: list, monkeypatch) -> None:
     """Draft tokens checked on the GPU (a step of drafts and decodes replays a decode graph with a row per token;
     one beside prefills, a mixed-step graph; every drafted position is sampled): the reference path's greedy

@@ -1,0 +1,167 @@
+"""FP8 weights, as vLLM's `quantization="fp8"`: each decoder projection's weight is stored as float8_e4m3fn
+with one float32 scale per output row (its largest magnitude / 448), half the bytes of bf16. The embedding
+and the LM head stay in the model's dtype, as vLLM keeps them.
+
+How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which every projection calls):
+
+* decode-sized batches on a GPU: our skinny kernel reads the fp8 weight and multiplies in the activations'
+  dtype, the row scale applied in its epilogue (weight only, "W8A16": decode reads the weight bytes, so
+  halving them is the gain, and the activations keep their precision);
+* larger batches on a GPU in bfloat16: each token's activations are quantized to fp8 with a scale of their
+  own (`quantize_per_token`: one Triton kernel on a GPU) and `torch._scaled_mm` multiplies on the fp8
+  tensor cores, both scales applied in its epilogue ("W8A8", vLLM's dynamic per-token scheme);
+* everywhere else (CPU, float16 / float32 models, `enforce_eager`'s plain path for small batches): the weight
+  is upcast and multiplied in the activations' dtype, then scaled (W8A16: the reference the tests compare
+  with transformers on the dequantized weights).
+
+Quantized checkpoints (config.json's `quantization_config` with `quant_method` "fp8": DeepSeek / Qwen's
+128 x 128 block scales in `weight_scale_inv`, or llm-compressor's per-tensor or per-channel `weight_scale`)
+load by dequantizing each weight as it is read; the model is then quantized like a bf16 one once the decoder
+norms are folded into the projections (the fold scales input features, which a block or row scale cannot
+carry). A static `input_scale` is not used: activations are always scaled per token as they come.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATION_METHODS = ("fp8",)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# The smallest scale: an all-zero row (or token) then quantizes to zeros instead of 0 / 0.
+MIN_SCALE = 1e-12
+# Checkpoint tensors that carry an fp8 weight's scales (next to `<module>.weight`).
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
+_QUANTIZE_ROWS = 4096  # rows quantized at a time: bounds the float32 copy of a large weight
+
+
+def _quantization_config(hf_config: Any) -> dict | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    if not isinstance(config, dict):  # transformers keeps some as objects
+        config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
+    return config
+
+
+def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
+    """The method the engine runs: the checkpoint's (its config's `quantization_config`), else `requested`.
+    A checkpoint quantized a way nanoinfer does not load is a ValueError."""
+    if requested is not None and requested not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={requested!r} is not supported; choose one of {list(QUANTIZATION_METHODS)}")
+    config = _quantization_config(hf_config)
+    if config is None:
+        return requested
+    method = config.get("quant_method")
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"the checkpoint is quantized with quant_method={method!r}, which nanoinfer does not load; "
+                         f"it loads {list(QUANTIZATION_METHODS)} checkpoints and unquantized ones (which "
+                         f"quantization='fp8' quantizes as they load)")
+    return method
+
+
+def checkpoint_block_size(hf_config: Any) -> tuple[int, int] | None:
+    """The [rows, columns] of one block scale of an fp8 checkpoint (`weight_block_size`), or None (its scales are
+    per tensor or per row)."""
+    config = _quantization_config(hf_config) or {}
+    block = config.get("weight_block_size")
+    if block is None:
+        return None
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_checkpoint_weight(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                                 block: tuple[int, int] | None) -> torch.Tensor:
+    """A checkpoint's fp8 weight times its scales, in float32: one scale, one per row, or one per `block`
+    (the block scale tensor is [ceil(rows / block rows), ceil(columns / block columns)])."""
+    if weight.dim() != 2:
+        raise ValueError(f"fp8 checkpoint tensor {name!r} has shape {tuple(weight.shape)}: expected a matrix")
+    if not scale.dtype.is_floating_point:
+        raise ValueError(f"the scale of fp8 checkpoint tensor {name!r} is {scale.dtype}: expected floats")
+    rows, cols = weight.shape
+    scale = scale.float()
+    if scale.numel() == 1:
+        expanded = scale.reshape(1, 1)
+    elif scale.numel() == rows and scale.shape in ((rows,), (rows, 1)):
+        expanded = scale.reshape(rows, 1)
+    elif block is not None and scale.shape == (-(-rows // block[0]), -(-cols // block[1])):
+        expanded = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    else:
+        raise ValueError(f"the scale of fp8 checkpoint tensor {name!r} has shape {tuple(scale.shape)}, which fits "
+                         f"neither one scale, one per row ({rows}) nor blocks of {block} over {tuple(weight.shape)}")
+    out = weight.float() * expanded
+    if not torch.isfinite(out).all():
+        raise ValueError(f"fp8 checkpoint tensor {name!r} times its scale is not finite")
+    return out
+
+
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> each row's largest magnitude, float32 [N] (inf for a row that is not finite)."""
+    amax = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = weight[start:start + _QUANTIZE_ROWS].float()
+        amax[start:start + _QUANTIZE_ROWS] = rows.abs().amax(dim=1).masked_fill_(~torch.isfinite(rows).all(dim=1),
+                                                                                   float("inf"))
+    return amax
+
+
+def quantize_per_row(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (float8_e4m3fn [N, K], float32 scales [N]) with weight ~= q * scale[:, None], each row's largest
+    magnitude (`amax`: by default `row_amax(weight)`; a tensor-parallel shard passes its whole row's) mapped to
+    448. A weight that is not finite is a ValueError (it would poison its whole row)."""
+    amax = row_amax(weight) if amax is None else amax
+    if not torch.isfinite(amax).all():
+        raise ValueError("cannot quantize a weight that is not finite to fp8")
+    scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+        rows = weight[start:start + _QUANTIZE_ROWS].float() / scale[start:start + _QUANTIZE_ROWS, None]
+        q[start:start + _QUANTIZE_ROWS] = rows.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] activations -> (float8_e4m3fn [M, K], float32 scales [M, 1]), each row's largest magnitude mapped
+    to 448: on a GPU with the fused kernels one Triton kernel (kernels/fp8.py), else this math in PyTorch."""
+    from nanoinfer.layers.fusion import use_kernels
+
+    if use_kernels(x):
+        from nanoinfer.kernels.fp8 import quantize_per_token as kernel
+
+        return kernel(x)
+    rows = x.float()
+    scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Where `torch._scaled_mm` with per-row scales runs: a CUDA GPU with fp8 tensor cores (compute capability
+    8.9+), bfloat16 output, and both matrix dims multiples of 16."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9))
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (weight * weight_scale[:, None])^T -> [M, N] in x's dtype: W8A8 through `torch._scaled_mm`
+    where it runs, else W8A16 (the weight upcast to x's dtype, the scale applied to the product in float32)."""
+    if _scaled_mm_fits(x, weight):
+        q, x_scale = quantize_per_token(x)
+        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                                out_dtype=x.dtype)
+    out = F.linear(x, weight.to(x.dtype))
+    if x.dtype == torch.float32:
+        return out.mul_(weight_scale)
+    return (out.float() * weight_scale).to(x.dtype)
+
+
+def dequantized(weight: torch.Tensor, weight_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's weight as the matmul means it, in `dtype` (for references and checks)."""
+    if weight_scale is None:
+        return weight.to(dtype)
+    return (weight.float() * weight_scale[:, None]).to(dtype)

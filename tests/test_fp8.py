@@ -1,0 +1,371 @@
+"""FP8 weights (`quantization="fp8"`, layers/fp8.py): greedy output equals Hugging Face transformers' on the
+dequantized weights (computed here from the checkpoint, independently of nanoinfer) token for token; fp8
+checkpoints (block, per-row and per-tensor scales) load as their dequantized weights; tensor parallelism and LoRA
+adapters give what one rank and the merged model give; bad checkpoints are clear errors. The skinny kernel's fp8
+weights and the per-token quantization kernel run in Triton's interpreter on CPU (a child pytest)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from triton_child import interpreter_child, kernel_test
+
+from nanoinfer import LLM, LoRARequest, SamplingParams
+from nanoinfer.layers import fp8
+from nanoinfer.layers import skinny_dispatch as dispatch
+from nanoinfer.layers.linear import LinearBase
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_TOKENS = 10
+PROMPTS = [[5, 9, 17, 3, 88, 120, 7], [200, 1, 2, 3], list(range(30, 70))]
+# Each projection and the norm folded into it (None: a row-parallel projection, no norm before it).
+NORM_OF = {"q_proj": "input_layernorm", "k_proj": "input_layernorm", "v_proj": "input_layernorm", "o_proj": None,
+           "gate_proj": "post_attention_layernorm", "up_proj": "post_attention_layernorm", "down_proj": None}
+
+test_cpu_interpreter_child = interpreter_child(__file__)
+
+
+def greedy(n: int = NUM_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def quantize_rows(w: torch.Tensor) -> torch.Tensor:
+    """The fp8 weight as nanoinfer should mean it, written here from the definition: each row scaled so its
+    largest magnitude is 448, rounded to float8_e4m3fn, scaled back (float32)."""
+    scale = (w.abs().amax(dim=1) / 448.0).clamp_min(1e-12)
+    return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale[:, None]
+
+
+def dequantized_reference(base: str, folder) -> str:
+    """`base` as nanoinfer's fp8 engine computes it, saved for transformers: each projection W after the norm g
+    it is folded with becomes quantize_rows(W * g) / g (the engine multiplies the unnormalised stream by the
+    quantized W * g and applies the norm's row scale after); row-parallel ones quantize_rows(W)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name, norm in NORM_OF.items():
+                proj = getattr(layer.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, name)
+                g = torch.ones(proj.weight.shape[1]) if norm is None else getattr(layer, norm).weight
+                proj.weight.copy_(quantize_rows(proj.weight * g) / g)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models, tmp_path_factory) -> dict:
+    """For llama and qwen3 (weights perturbed so no norm is all ones): the model and its dequantized reference."""
+    from test_lora import perturbed
+
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for arch in ("llama", "qwen3"):
+        base = perturbed(tiny_models[arch], root / arch)
+        out[arch] = {"base": base, "reference": dequantized_reference(base, root / f"{arch}-deq")}
+    return out
+
+
+def engine_model(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.core.runner.model
+
+
+# ----- kernels (interpreter child on CPU) -----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [0, 1, 4])  # 0: the heuristic's config
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("M", [1, 5, 16])
+@kernel_test
+def test_skinny_kernel_multiplies_fp8_weights_by_their_row_scales(dtype, split_k, residual, M):
+    from nanoinfer.kernels import arrival_counters
+    from nanoinfer.kernels import skinny_gemm as sg
+
+    N, K = 72, 200
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
+    q, scale = fp8.quantize_per_row(torch.randn(N, K, generator=gen) * torch.rand(N, 1, generator=gen) * 3)
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    bias = torch.randn(N, generator=gen).to(DEVICE, dtype)
+    res = torch.randn(M, N, generator=gen).to(DEVICE, dtype) if residual else None
+    expected = x.double() @ (q.double() * scale.double()[:, None]).T + bias.double()
+    if residual:
+        expected += res.double()
+    config = None if not split_k else sg.SkinnyConfig(block_n=16, block_k=32, split_k=split_k, num_warps=4,
+                                                      num_stages=2)
+    out = sg.skinny_linear(x, q, bias, residual=res, config=config, weight_scale=scale)
+    assert out.dtype == dtype and (out is res if residual else True)
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert ((out.double() - expected).norm() / expected.norm()).item() < tolerance
+    assert int(arrival_counters(x.device, 1).abs().sum()) == 0
+
+
+def test_skinny_kernel_refuses_fp8_weights_without_a_usable_scale():
+    from nanoinfer.kernels import skinny_gemm as sg
+
+    x = torch.randn(2, 32)
+    q, scale = fp8.quantize_per_row(torch.randn(24, 32))
+    with pytest.raises(ValueError, match="weight dtype"):
+        sg.skinny_linear(x, q)
+    with pytest.raises(ValueError, match="weight_scale must be float32"):
+        sg.skinny_linear(x, q, weight_scale=scale[:8])
+    with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
+        sg.skinny_linear(x, torch.randn(24, 32), weight_scale=scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,K", [(1, 64), (7, 200), (3, 5000)])  # 5000: three passes of the kernel's row loop
+@kernel_test
+def test_quantize_per_token_kernel_is_the_pytorch_math(dtype, M, K):
+    from nanoinfer.kernels.fp8 import quantize_per_token
+
+    gen = torch.Generator().manual_seed(K)
+    x = (torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 50).to(DEVICE, dtype)
+    x[0, :] = 0  # an all-zero row: scale MIN_SCALE, zeros
+    wide = torch.zeros(M, K + 8, dtype=dtype, device=DEVICE)
+    wide[:, :K] = x
+    q, scale = quantize_per_token(wide[:, :K])  # rows of a wider buffer: strided
+    rows = x.float()
+    want_scale = (rows.abs().amax(dim=1, keepdim=True) / 448).clamp_min(fp8.MIN_SCALE)
+    want = (rows / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert q.shape == (M, K) and q.dtype == torch.float8_e4m3fn and scale.shape == (M, 1)
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), want.float())
+    assert torch.equal(q[0].float(), torch.zeros(K, device=DEVICE))
+
+
+@kernel_test
+def test_quantize_per_token_kernel_rounds_to_nearest_even():
+    """A row whose scale is exactly 1 (its largest value is 448): every midpoint between two neighbouring fp8
+    values (ties: to the even one), values just either side of them, and random ones convert as PyTorch does."""
+    from nanoinfer.kernels.fp8 import quantize_per_token
+
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()  # every finite e4m3 value, ascending
+    mid = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([torch.tensor([448.0]), mid, mid.nextafter(torch.tensor(1e9)), mid.nextafter(torch.tensor(-1e9)),
+                        torch.empty(2000).uniform_(-448, 448, generator=torch.Generator().manual_seed(0))])
+    q, scale = quantize_per_token(values[None].to(DEVICE))
+    assert scale.item() == 1.0
+    assert torch.equal(q.float().cpu(), values.to(torch.float8_e4m3fn).float()[None])
+
+
+# ----- the math on CPU -----
+
+
+def test_quantize_per_row_maps_each_row_to_448_and_refuses_non_finite_weights():
+    w = torch.randn(40, 96) * torch.logspace(-3, 3, 40)[:, None]
+    w[7] = 0
+    q, scale = fp8.quantize_per_row(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert torch.equal(q.float().abs().amax(dim=1)[torch.arange(40) != 7], torch.full((39,), 448.0))
+    assert torch.equal(q[7].float(), torch.zeros(96))
+    rel = ((q.float() * scale[:, None] - w).abs().amax(dim=1) / w.abs().amax(dim=1).clamp_min(1e-30))
+    assert rel.max() <= 2**-4  # e4m3: 3 mantissa bits, half a step of rounding
+    w[3, 5] = float("inf")
+    with pytest.raises(ValueError, match="not finite"):
+        fp8.quantize_per_row(w)
+
+
+def test_dense_linear_multiplies_by_the_dequantized_weight():
+    """W8A16 on a CPU: x @ (q * scale)^T, then the bias, then into the residual in place."""
+    x, w, b = torch.randn(5, 32, dtype=torch.float64).float(), torch.randn(24, 32), torch.randn(24)
+    q, scale = fp8.quantize_per_row(w)
+    weight = q.float() * scale[:, None]
+    torch.testing.assert_close(dispatch.linear(x, q, b, weight_scale=scale), x @ weight.T + b)
+    residual = torch.randn(5, 24)
+    want = residual + x @ weight.T
+    assert dispatch.linear(x, q, None, residual, weight_scale=scale) is residual
+    torch.testing.assert_close(residual, want)
+    bf16 = dispatch.linear(x.bfloat16(), q, weight_scale=scale)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), x.bfloat16().float() @ weight.T, rtol=2e-2, atol=2e-2)
+
+
+def test_quantize_per_token_on_cpu_scales_each_row_to_448():
+    x = torch.randn(4, 64) * torch.tensor([[1e-3], [1.0], [1e3], [0.0]])
+    q, scale = fp8.quantize_per_token(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (4, 1)
+    assert torch.equal(q.float().abs().amax(dim=1)[:3], torch.full((3,), 448.0))
+    assert torch.equal(q[3].float(), torch.zeros(64))
+    torch.testing.assert_close(q.float() * scale, x, rtol=2**-4, atol=0)
+
+
+def test_dequantize_checkpoint_weight_takes_block_row_and_tensor_scales():
+    w = torch.randn(40, 70).to(torch.float8_e4m3fn)
+    blocks = torch.rand(3, 3) + 0.5  # ceil(40 / 16) x ceil(70 / 32)
+    out = fp8.dequantize_checkpoint_weight("w", w, blocks, (16, 32))
+    assert torch.equal(out[17, 65], w[17, 65].float() * blocks[1, 2]) and torch.equal(out[0, 0], w[0, 0].float() * blocks[0, 0])
+    rows = torch.rand(40, 1)
+    assert torch.equal(fp8.dequantize_checkpoint_weight("w", w, rows, None), w.float() * rows)
+    assert torch.equal(fp8.dequantize_checkpoint_weight("w", w, torch.tensor(2.0), None), w.float() * 2)
+    with pytest.raises(ValueError, match="fits neither"):
+        fp8.dequantize_checkpoint_weight("w", w, torch.rand(2, 3), (16, 32))
+    with pytest.raises(ValueError, match="not finite"):
+        fp8.dequantize_checkpoint_weight("w", w, torch.tensor(float("inf")), None)
+
+
+def test_resolve_quantization():
+    class Config:
+        pass
+
+    plain, quantized, other = Config(), Config(), Config()
+    quantized.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    other.quantization_config = {"quant_method": "awq", "bits": 4}
+    assert fp8.resolve_quantization(None, plain) is None
+    assert fp8.resolve_quantization("fp8", plain) == "fp8"
+    assert fp8.resolve_quantization(None, quantized) == "fp8" and fp8.checkpoint_block_size(quantized) == (128, 128)
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        fp8.resolve_quantization(None, other)
+    with pytest.raises(ValueError, match="not supported"):
+        fp8.resolve_quantization("int4", plain)
+    quantized.quantization_config["weight_block_size"] = [128]
+    with pytest.raises(ValueError, match="weight_block_size"):
+        fp8.checkpoint_block_size(quantized)
+
+
+# ----- the engine -----
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fp8_output_equals_transformers_on_the_dequantized_weights(models, arch):
+    from test_e2e import hf_greedy
+
+    case = models[arch]
+    llm = LLM(case["base"], quantization="fp8", block_size=4, device="cpu")
+    linears = [m for m in engine_model(llm).modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn and m.weight_scale.dtype == torch.float32
+                           for m in linears)
+    assert engine_model(llm).model.embed_tokens.weight.dtype == torch.float32  # the embedding stays as it is
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == hf_greedy(case["reference"], PROMPTS, NUM_TOKENS)
+
+
+def test_lora_adapters_on_fp8_weights_equal_the_merged_reference(models, tmp_path):
+    """The adapter is added to the fp8 base layer's output in full precision: the merged reference is the
+    dequantized base plus B A."""
+    from test_e2e import hf_greedy
+    from test_lora import make_adapter, merge
+
+    case = models["qwen3"]
+    adapter = make_adapter(tmp_path / "a", case["base"], seed=1)
+    llm = LLM(case["base"], quantization="fp8", enable_lora=True, block_size=4, device="cpu")
+    ours = token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=LoRARequest("a", 1, adapter)))
+    assert ours == hf_greedy(merge(case["reference"], adapter, tmp_path / "merged"), PROMPTS, NUM_TOKENS)
+
+
+def write_fp8_checkpoint(base: str, folder, scheme: str) -> tuple[str, str]:
+    """`base` saved as an fp8 checkpoint (`scheme`: "block" 16 x 32 scales in weight_scale_inv, as DeepSeek /
+    Qwen ship them; "row" or "tensor" weight_scale plus an input_scale, as llm-compressor's), and a float32 folder
+    of what it dequantizes to. Returns (fp8 folder, dequantized folder)."""
+    tensors = load_file(os.path.join(base, "model.safetensors"))
+    fp8_tensors, dequantized = {}, {}
+    for name, t in tensors.items():
+        if not name.endswith("_proj.weight"):
+            fp8_tensors[name] = dequantized[name] = t
+            continue
+        module = name.removesuffix(".weight")
+        if scheme == "block":
+            blocks = t.unflatten(0, (-1, 16)).unflatten(2, (-1, 32)).abs().amax(dim=(1, 3)) / 448
+            scale_full = blocks.repeat_interleave(16, 0).repeat_interleave(32, 1)
+            fp8_tensors[f"{module}.weight_scale_inv"] = blocks
+        elif scheme == "row":
+            scale_full = t.abs().amax(dim=1, keepdim=True) / 448
+            fp8_tensors[f"{module}.weight_scale"] = scale_full
+            fp8_tensors[f"{module}.input_scale"] = torch.tensor(0.5)
+        else:
+            scale_full = t.abs().amax() / 448
+            fp8_tensors[f"{module}.weight_scale"] = scale_full
+            fp8_tensors[f"{module}.input_scale"] = torch.tensor(0.5)
+        q = (t / scale_full).to(torch.float8_e4m3fn)
+        fp8_tensors[name] = q
+        dequantized[name] = q.float() * scale_full
+    paths = []
+    for suffix, weights, quantized in (("fp8", fp8_tensors, True), ("deq", dequantized, False)):
+        path = f"{folder}-{scheme}-{suffix}"
+        os.makedirs(path)
+        save_file(weights, os.path.join(path, "model.safetensors"))
+        with open(os.path.join(base, "config.json")) as f:
+            config = json.load(f)
+        if quantized:
+            config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"} | (
+                {"weight_block_size": [16, 32]} if scheme == "block" else {})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@pytest.mark.parametrize("scheme", ["block", "row", "tensor"])
+def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(models, tmp_path, scheme):
+    """Loaded without quantization=: the checkpoint's quantization_config says fp8; the engine's model then
+    equals an fp8 engine on the dequantized float32 folder, bit for bit."""
+    quantized, dequantized = write_fp8_checkpoint(models["qwen3"]["base"], tmp_path / "ckpt", scheme)
+    ours = LLM(quantized, block_size=4, device="cpu")
+    reference = LLM(dequantized, quantization="fp8", block_size=4, device="cpu")
+    for (name, a), (_, b) in zip(engine_model(ours).named_modules(), engine_model(reference).named_modules()):
+        if isinstance(a, LinearBase):
+            assert a.weight.dtype == torch.float8_e4m3fn
+            assert torch.equal(a.weight.float(), b.weight.float()) and torch.equal(a.weight_scale, b.weight_scale), name
+    assert token_ids(ours.generate(PROMPTS, greedy(), use_tqdm=False)) == \
+        token_ids(reference.generate(PROMPTS, greedy(), use_tqdm=False))
+
+
+def test_bad_quantized_checkpoints_are_clear_errors(models, tmp_path):
+    base = models["qwen3"]["base"]
+    quantized, _ = write_fp8_checkpoint(base, tmp_path / "ckpt", "block")
+
+    def edited(name: str, config_change=None, tensors_change=None) -> str:
+        path = tmp_path / name
+        shutil.copytree(quantized, path)
+        config = json.loads((path / "config.json").read_text())
+        if config_change:
+            config_change(config)
+        (path / "config.json").write_text(json.dumps(config))
+        if tensors_change:
+            tensors = load_file(path / "model.safetensors")
+            tensors_change(tensors)
+            save_file(tensors, path / "model.safetensors")
+        return str(path)
+
+    awq = edited("awq", lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}))
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        LLM(awq, device="cpu")
+    with pytest.raises(ValueError, match="has no fp8 quantization_config"):
+        LLM(edited("no-config", lambda c: c.pop("quantization_config")), device="cpu")
+    scale = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    with pytest.raises(ValueError, match="down_proj.weight' has no scale"):
+        LLM(edited("no-scale", tensors_change=lambda t: t.pop(scale)), device="cpu")
+    with pytest.raises(ValueError, match="fits neither"):
+        LLM(edited("bad-scale", tensors_change=lambda t: t.update({scale: t[scale][:1]})), device="cpu")
+    with pytest.raises(ValueError, match="not finite"):
+        LLM(edited("inf-scale", tensors_change=lambda t: t[scale].fill_(float("inf"))), device="cpu")
+    with pytest.raises(ValueError, match="quantization='int4' is not one of"):
+        LLM(base, quantization="int4", device="cpu")
+
+
+def test_tp2_fp8_equals_tp1(models):
+    """A row-parallel rank holds part of each row: the row's scale is still the whole row's (an all-reduce max at
+    load), so the fp8 weights and the outputs are TP=1's."""
+    kwargs = dict(device="cpu", quantization="fp8", block_size=4, num_kv_blocks=64)
+    single = LLM(models["qwen3"]["base"], **kwargs)
+    reference = token_ids(single.generate(PROMPTS, greedy(), use_tqdm=False))
+    single.close()
+    llm = LLM(models["qwen3"]["base"], tensor_parallel_size=2, **kwargs)
+    try:
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == reference
+    finally:
+        llm.close()
+    assert not dist.is_initialized()
