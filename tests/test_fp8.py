@@ -163,6 +163,25 @@ def test_quantize_per_token_kernel_rounds_to_nearest_even():
     assert torch.equal(q.float().cpu(), values.to(torch.float8_e4m3fn).float()[None])
 
 
+@kernel_test
+def test_quantize_per_token_kernel_keeps_a_row_with_nan_or_inf_non_finite():
+    """As PyTorch's math: a NaN makes the row's scale NaN, an infinity makes it infinite, so the matmul's row is not
+    finite either (its scale multiplies the row). Where PyTorch's value is NaN, Triton's CPU interpreter stores
+    384 (its float32 -> fp8 conversion), a GPU NaN: those positions are compared on a GPU only."""
+    from nanoinfer.kernels.fp8 import quantize_per_token
+
+    x = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0))
+    x[1, 7], x[2, 9], x[3, 5] = float("nan"), float("inf"), -float("inf")
+    q, scale = quantize_per_token(x.to(DEVICE))
+    want_q, want_scale = fp8.quantize_per_token(x)  # (on the CPU: the PyTorch math)
+    assert scale[0].isfinite().all() and scale[1].isnan().all() and bool((scale[2:] == float("inf")).all())
+    torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
+    nan = want_q.float().isnan()
+    assert nan.any() and torch.equal(q.float().cpu()[~nan], want_q.float()[~nan])
+    if DEVICE == "cuda":
+        assert torch.equal(q.float().isnan().cpu(), nan)
+
+
 # ----- the math on CPU -----
 
 
@@ -190,9 +209,16 @@ def test_dense_linear_multiplies_by_the_dequantized_weight():
     want = residual + x @ weight.T
     assert dispatch.linear(x, q, None, residual, weight_scale=scale) is residual
     torch.testing.assert_close(residual, want)
-    bf16 = dispatch.linear(x.bfloat16(), q, weight_scale=scale)
-    assert bf16.dtype == torch.bfloat16
-    torch.testing.assert_close(bf16.float(), x.bfloat16().float() @ weight.T, rtol=2e-2, atol=2e-2)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = dispatch.linear(x.to(dtype), q, weight_scale=scale)
+        assert low.dtype == dtype
+        torch.testing.assert_close(low.float(), x.to(dtype).float() @ weight.T, rtol=2e-2, atol=2e-2)
+    # Weights whose rows are small: q alone (448 / row max times the weight) would overflow a float16 product.
+    small, x_big = w * 1e-3, torch.randn(5, 32) * 100
+    q, scale = fp8.quantize_per_row(small)
+    out = dispatch.linear(x_big.half(), q, weight_scale=scale)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), x_big.half().float() @ (q.float() * scale[:, None]).T, rtol=2e-2, atol=2e-2)
 
 
 def test_quantize_per_token_on_cpu_scales_each_row_to_448():
@@ -268,7 +294,7 @@ def test_lora_adapters_on_fp8_weights_equal_the_merged_reference(models, tmp_pat
 
 def write_fp8_checkpoint(base: str, folder, scheme: str) -> tuple[str, str]:
     """`base` saved as an fp8 checkpoint (`scheme`: "block" 16 x 32 scales in weight_scale_inv, as DeepSeek /
-    Qwen ship them; "row" or "tensor" weight_scale plus an input_scale, as llm-compressor's), and a float32 folder
+    Qwen ship them; "row" or "tensor" weight_scale plus an input_scale, as AutoFP8's), and a float32 folder
     of what it dequantizes to. Returns (fp8 folder, dequantized folder)."""
     tensors = load_file(os.path.join(base, "model.safetensors"))
     fp8_tensors, dequantized = {}, {}
@@ -354,6 +380,24 @@ def test_bad_quantized_checkpoints_are_clear_errors(models, tmp_path):
         LLM(edited("inf-scale", tensors_change=lambda t: t[scale].fill_(float("inf"))), device="cpu")
     with pytest.raises(ValueError, match="quantization='int4' is not one of"):
         LLM(base, quantization="int4", device="cpu")
+    down = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=r"\['model.layers.0.mlp.down_proj.weight_scale_inv'\] belong to weights that are not float8"):
+        LLM(edited("scale-of-bf16", tensors_change=lambda t: t.update({down: t[down].bfloat16()})), device="cpu")
+    with pytest.raises(ValueError, match="layers.5.mlp.down_proj.weight_scale_inv' is the scale of a weight the checkpoint"):
+        LLM(edited("stray-scale", tensors_change=lambda t: t.update({scale.replace(".0.", ".5."): t[scale].clone()})), device="cpu")
+    with pytest.raises(ValueError, match="float8_e5m2: fp8 weights must be torch.float8_e4m3fn"):
+        LLM(edited("e5m2", tensors_change=lambda t: t.update({down: t[down].float().to(torch.float8_e5m2)})),
+            device="cpu")
+
+
+def test_a_float8_bias_is_a_clear_error(tiny_models, tmp_path):
+    quantized, _ = write_fp8_checkpoint(tiny_models["qwen2"], tmp_path / "qwen2", "row")  # (q/k/v biases)
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    tensors = load_file(os.path.join(quantized, "model.safetensors"))
+    tensors[bias] = tensors[bias].to(torch.float8_e4m3fn)
+    save_file(tensors, os.path.join(quantized, "model.safetensors"))
+    with pytest.raises(ValueError, match="q_proj.bias' is float8, but only weights are quantized"):
+        LLM(quantized, device="cpu")
 
 
 def test_tp2_fp8_equals_tp1(models):

@@ -2,7 +2,8 @@
 each program reads one row twice (its largest magnitude, then the row over its scale), writes the row as
 float8_e4m3fn and its float32 scale. In PyTorch the same math is four to six kernels, which at decode batch
 sizes cost more in launches than the row's bytes. The math is `quantize_per_token`'s PyTorch path: the
-scale is max|x| / 448 (at least MIN_SCALE), x / scale is clamped to +-448 and rounded to nearest.
+scale is max|x| / 448 (at least MIN_SCALE), x / scale is clamped to +-448 and rounded to nearest; a NaN in a row
+makes its scale and every value NaN, an infinity its scale infinite (its own value NaN, the others 0).
 """
 
 from __future__ import annotations
@@ -43,14 +44,18 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, FP8_MAX: tl
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    row_amax = tl.max(amax, axis=0)  # (a reduction drops NaN: put it back)
+    row_amax = tl.where(tl.max((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), row_amax)
+    scale = tl.maximum(row_amax / FP8_MAX, MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)  # IEEE division, as PyTorch
+        q = tl.math.div_rn(x, scale)  # IEEE division, as PyTorch's
+        q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
         if ROUND_FIRST:
             q = _round_to_e4m3(q)
         tl.store(q_ptr + row * K + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

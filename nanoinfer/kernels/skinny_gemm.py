@@ -68,13 +68,12 @@ import triton.language as tl
 
 from nanoinfer.kernels import INTERPRETER, arrival_counters, num_sms, pdl_enabled
 from nanoinfer.layers import skinny_dispatch
-from nanoinfer.layers.fp8 import dequantized
+from nanoinfer.layers.fp8 import FP8_DTYPE, dequantized
 from nanoinfer.layers.skinny_dispatch import MAX_M
 
 logger = logging.getLogger("nanoinfer")
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP8_WEIGHT_DTYPE = torch.float8_e4m3fn  # with a float32 scale per weight row
 
 # ----- launch heuristic (retune from `bench/kernels.py --gemm` on the GPU) -----
 
@@ -292,8 +291,8 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if weight_scale is None and weight.dtype != x.dtype:
         raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
     if weight_scale is not None:
-        if weight.dtype != _FP8_WEIGHT_DTYPE:
-            raise ValueError(f"a weight with weight_scale must be {_FP8_WEIGHT_DTYPE}, got {weight.dtype}")
+        if weight.dtype != FP8_DTYPE:
+            raise ValueError(f"a weight with weight_scale must be {FP8_DTYPE}, got {weight.dtype}")
         if weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32:
             raise ValueError(f"weight_scale must be float32 of shape ({weight.shape[0]},), got "
                              f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
@@ -430,7 +429,7 @@ def _activation_dtype(model: torch.nn.Module, weight_dtype: torch.dtype) -> torc
     32-bit float parameter); None where there is none the kernel takes."""
     if weight_dtype in _SUPPORTED_DTYPES:
         return weight_dtype
-    if weight_dtype != _FP8_WEIGHT_DTYPE:
+    if weight_dtype != FP8_DTYPE:
         return None
     return next((p.dtype for p in model.parameters() if p.dtype in _SUPPORTED_DTYPES), None)
 

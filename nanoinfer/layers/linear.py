@@ -90,7 +90,8 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.lora: LoRASlots | None = None  # set by the runner's LoRAModelManager when enable_lora
-        self.weight_scale: torch.Tensor | None = None  # fp8 weights: float32 [output_size] (`quantize_fp8`)
+        # fp8 weights: float32 [output_size] (`quantize_fp8`); a buffer, so it follows the module's device.
+        self.register_buffer("weight_scale", None, persistent=False)
 
     def quantize_fp8(self) -> None:
         """The loaded (and norm-folded) weight to float8_e4m3fn with one scale per output row."""

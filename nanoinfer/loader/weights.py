@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import zlib
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -129,7 +129,7 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
     param, shard_id = targets[name]
     if not loaded.dtype.is_floating_point:  # an integer copy would load silently as garbage
         raise ValueError(f"checkpoint tensor {name!r} is {loaded.dtype}: weights must be floating point "
-                         f"(quantized checkpoints are not supported)")
+                         f"(of quantized checkpoints, only fp8 ones load)")
     if loaded.element_size() == 1:  # float8 values without their scales would load silently wrong
         raise ValueError(f"checkpoint tensor {name!r} is {loaded.dtype}, but config.json has no fp8 "
                          f"quantization_config saying how to scale it")
@@ -143,38 +143,53 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
         ) from e
 
 
-def _is_fp8_scale(name: str, fp8_checkpoint: bool) -> bool:
-    """Whether checkpoint tensor `name` is an fp8 weight's scale (read with its weight, not loaded on its own)."""
-    return fp8_checkpoint and name.rpartition(".")[2] in fp8.SCALE_SUFFIXES
+def _is_scale(name: str) -> bool:
+    """Whether checkpoint tensor `name` is named as an fp8 weight's scale."""
+    return name.rpartition(".")[2] in fp8.SCALE_SUFFIXES
 
 
-def _read_tensor(f: Any, file: Path, name: str) -> torch.Tensor:
-    try:
-        return f.get_tensor(name)
-    except Exception as e:  # safetensors' own error type: a file cut short, a corrupt offset
-        raise ValueError(f"{file}: cannot read tensor {name!r}: {e}") from None
+class _Fp8Scales:
+    """An fp8 checkpoint's scales (`<module>.weight_scale_inv` or `.weight_scale`, and the unused `.input_scale`):
+    each float8 weight is dequantized with its own as it is read, and every weight scale must be used by one, so
+    a scale beside a weight stored unquantized cannot be dropped unseen."""
 
+    def __init__(self, where: dict[str, Path], hf_config: Any) -> None:
+        self.block = fp8.checkpoint_block_size(hf_config)
+        self.names = {n for n in where if _is_scale(n)}
+        for name in self.names:
+            if f"{name.rpartition('.')[0]}.weight" not in where:
+                raise ValueError(f"fp8 checkpoint tensor {name!r} is the scale of a weight the checkpoint does not "
+                                 f"hold ({name.rpartition('.')[0]}.weight)")
+        self.used: set[str] = set()
 
-def _dequantized(name: str, tensor: torch.Tensor, where: dict[str, Path], block: tuple[int, int] | None
-                 ) -> torch.Tensor:
-    """An fp8 checkpoint weight times its scale (`<module>.weight_scale_inv`, or `.weight_scale`), in float32."""
-    module = name.removesuffix(".weight")
-    scale_name = next((f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in where), None)
-    if not name.endswith(".weight") or scale_name is None:
-        raise ValueError(f"fp8 checkpoint tensor {name!r} has no scale ({module}.weight_scale_inv or "
-                         f"{module}.weight_scale) in the checkpoint")
-    with _open_safetensors(where[scale_name]) as f:
-        scale = _read_tensor(f, where[scale_name], scale_name)
-    return fp8.dequantize_checkpoint_weight(name, tensor, scale, block)
+    def dequantized(self, name: str, tensor: torch.Tensor, read: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The float8 checkpoint tensor `name` times its scale, in float32 (`read` reads another tensor)."""
+        if tensor.dtype != fp8.FP8_DTYPE:
+            raise ValueError(f"fp8 checkpoint tensor {name!r} is {tensor.dtype}: fp8 weights must be "
+                             f"{fp8.FP8_DTYPE}")
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight":
+            raise ValueError(f"fp8 checkpoint tensor {name!r} is float8, but only weights are quantized")
+        scale = next((f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in self.names),
+                     None)
+        if scale is None:
+            raise ValueError(f"fp8 checkpoint tensor {name!r} has no scale ({module}.weight_scale_inv or "
+                             f"{module}.weight_scale) in the checkpoint")
+        self.used.add(scale)
+        return fp8.dequantize_checkpoint_weight(name, tensor, read(scale), self.block)
+
+    def check_all_used(self) -> None:
+        unused = sorted(n for n in self.names - self.used if not n.endswith(".input_scale"))
+        if unused:
+            raise ValueError(f"fp8 checkpoint scales {unused} belong to weights that are not float8: a scale for a "
+                             f"weight stored unquantized has no meaning")
 
 
 def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_head: bool = True) -> None:
     """Every checkpoint tensor into its parameter. An export of the bare model (sentence-transformers' and most
     embedding models': `layers.0...`, no LM head) loads too, its names read under "model."; its LM head may be
     missing where nothing computes logits (`needs_lm_head` False: runner="pooling"). An fp8 checkpoint's
-    float8 weights are dequantized with their scales as they are read."""
-    fp8_checkpoint = fp8.resolve_quantization(None, hf_config) == "fp8"
-    block = fp8.checkpoint_block_size(hf_config) if fp8_checkpoint else None
+    float8 weights are dequantized with their scales as they are read (`_Fp8Scales`)."""
     files = _safetensors_files(folder)
     names_by_file: dict[Path, list[str]] = {}
     where: dict[str, Path] = {}
@@ -185,26 +200,34 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
             if name in where:  # one would silently overwrite the other
                 raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
             where[name] = file
-    scale = next((n for n in where if _is_fp8_scale(n, True)), None)
-    if not fp8_checkpoint and scale is not None:
-        raise ValueError(f"the checkpoint holds fp8 scales ({scale!r}), but config.json has no fp8 "
-                         f"quantization_config saying how to apply them")
+    scales = _Fp8Scales(where, hf_config) if fp8.resolve_quantization(None, hf_config) == "fp8" else None
+    if scales is None and any(_is_scale(n) for n in where):
+        raise ValueError(f"the checkpoint holds fp8 scales ({next(n for n in where if _is_scale(n))!r}), but "
+                         f"config.json has no fp8 quantization_config saying how to apply them")
     own = _checkpoint_targets(model)
     rename = {n: f"model.{n}" for n in where if n not in own and f"model.{n}" in own}
     twice = next((n for n in rename if rename[n] in where), None)
     if twice is not None:  # one would silently overwrite the other
         raise ValueError(f"tensor {rename[twice]!r} is in the checkpoint twice: as {twice!r} and {rename[twice]!r}")
-    targets = _match_names(model, {rename.get(n, n) for n in where if not _is_fp8_scale(n, fp8_checkpoint)},
-                           f"checkpoint in {str(folder)!r}", frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
-    for file, names in names_by_file.items():
-        with _open_safetensors(file) as f:
-            for name in names:
-                if _is_fp8_scale(name, fp8_checkpoint):
-                    continue
-                tensor = _read_tensor(f, file, name)
-                if fp8_checkpoint and tensor.dtype == fp8.FP8_DTYPE:
-                    tensor = _dequantized(name, tensor, where, block)
-                _load_tensor(targets, rename.get(name, name), tensor)
+    weights = [n for n in where if scales is None or n not in scales.names]
+    targets = _match_names(model, {rename.get(n, n) for n in weights}, f"checkpoint in {str(folder)!r}",
+                           frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(_open_safetensors(file)) for file in files}
+
+        def read(name: str) -> torch.Tensor:
+            try:
+                return handles[where[name]].get_tensor(name)
+            except Exception as e:  # safetensors' own error type: a file cut short, a corrupt offset
+                raise ValueError(f"{where[name]}: cannot read tensor {name!r}: {e}") from None
+
+        for name in weights:
+            tensor = read(name)
+            if scales is not None and tensor.element_size() == 1:
+                tensor = scales.dequantized(name, tensor, read)
+            _load_tensor(targets, rename.get(name, name), tensor)
+    if scales is not None:
+        scales.check_all_used()
 
 
 @contextmanager
@@ -300,6 +323,4 @@ def load_model(
                     module.quantize_fp8()
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
-    elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}")
     return model.eval()
