@@ -47,13 +47,13 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, FP8_MAX: tl
         amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
     row_amax = tl.max(amax, axis=0)  # (a reduction drops NaN: put it back)
     row_amax = tl.where(tl.max((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), row_amax)
-    scale = tl.maximum(row_amax / FP8_MAX, MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.maximum(tl.math.div_rn(row_amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.math.div_rn(x, scale)  # IEEE division, as PyTorch's
+        q = tl.math.div_rn(x, scale)  # IEEE divisions (here and for the scale), as PyTorch's
         q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
                        propagate_nan=tl.PropagateNan.ALL)
         if ROUND_FIRST:
