@@ -140,11 +140,12 @@ def test_quantize_per_token_kernel_is_the_pytorch_math(dtype, M, K):
     q, scale = quantize_per_token(wide[:, :K])  # rows of a wider buffer: strided
     rows = x.float()
     want_scale = (rows.abs().amax(dim=1, keepdim=True) / 448).clamp_min(fp8.MIN_SCALE)
-    want = (rows / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert q.shape == (M, K) and q.dtype == torch.float8_e4m3fn and scale.shape == (M, 1)
-    # (one ulp apart at most: PyTorch on CUDA divides a tensor by a number as a multiply by its reciprocal)
+    # An ulp apart at most (PyTorch on CUDA divides a tensor by a number as a multiply by its reciprocal, which can
+    # move a value at a tie of two fp8 neighbours): q is checked against the kernel's own scale, bit for bit.
     torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
-    assert torch.equal(q.float(), want.float())
+    want = (rows.cpu() / scale.cpu()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.float().cpu(), want.float())
     assert torch.equal(q[0].float(), torch.zeros(K, device=DEVICE))
 
 
@@ -174,9 +175,10 @@ def test_quantize_per_token_kernel_keeps_a_row_with_nan_or_inf_non_finite():
     x = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0))
     x[1, 7], x[2, 9], x[3, 5] = float("nan"), float("inf"), -float("inf")
     q, scale = quantize_per_token(x.to(DEVICE))
-    want_q, want_scale = fp8.quantize_per_token(x)  # (on the CPU: the PyTorch math)
+    _, want_scale = fp8.quantize_per_token(x)  # (on the CPU: the PyTorch math)
     assert scale[0].isfinite().all() and scale[1].isnan().all() and bool((scale[2:] == float("inf")).all())
     torch.testing.assert_close(scale.cpu(), want_scale, rtol=1e-6, atol=0, equal_nan=True)
+    want_q = (x / scale.cpu()).clamp(-448, 448).to(torch.float8_e4m3fn)  # (the kernel's scale: see above)
     nan = want_q.float().isnan()
     assert nan.any() and torch.equal(q.float().cpu()[~nan], want_q.float()[~nan])
     if DEVICE == "cuda":
