@@ -266,6 +266,24 @@ def test_resolve_quantization():
         fp8.checkpoint_block_size(quantized)
 
 
+def test_a_model_to_quantize_is_built_with_its_projection_weights_in_host_memory():
+    """On a GPU (here the meta device stands for it) the projections' full-precision weights are built on the host,
+    everything else on the device; quantize_fp8 moves each weight to the device as fp8, so the device never holds
+    the model in its dtype."""
+    from nanoinfer.layers.linear import ColumnParallelLinear
+
+    with torch.device("meta"), fp8.weights_on_host(True):
+        layer = ColumnParallelLinear(32, 24, bias=True)
+        norm = torch.nn.Linear(2, 2)
+    assert layer.weight.device.type == "cpu" and layer.bias.device.type == "meta" and norm.weight.device.type == "meta"
+    layer.weight.data.normal_()
+    layer.fold_norm(torch.full((32,), 2.0))  # (the norm's weight lives on the device: the fold runs where W is)
+    layer.quantize_fp8(torch.device("cpu"))
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (24,)
+    with torch.device("meta"):
+        assert ColumnParallelLinear(32, 24).weight.device.type == "meta"  # (outside the context: the device)
+
+
 # ----- the engine -----
 
 

@@ -19,12 +19,18 @@ Quantized checkpoints (config.json's `quantization_config` with `quant_method` "
 dequantizing each weight as it is read; the model is then quantized like a bf16 one once the decoder norms are
 folded into the projections (the fold scales input features, which a block or row scale cannot carry, so the
 weights are rounded a second time). A static `input_scale` is not used: activations are always scaled per token
-as they come. Loading holds the whole model in its dtype before quantizing it, as vLLM's online quantization does.
+as they come.
+
+While a model to be quantized is built on a GPU, its projections' weights are allocated in host memory
+(`weights_on_host`): loading and the norm fold run there, and each weight moves to the GPU only to be quantized,
+so the GPU never holds the model in its dtype (a model that fits only in fp8 loads), at the cost of the fold's
+multiplies on the host.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +43,25 @@ MIN_SCALE = 1e-12
 # Checkpoint tensors that carry an fp8 weight's scales (next to `<module>.weight`).
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale")
 _QUANTIZE_ROWS = 4096  # rows quantized at a time: bounds the float32 copy of a large weight
+_weights_on_host = False
+
+
+@contextmanager
+def weights_on_host(enabled: bool) -> Iterator[None]:
+    """While the model is built (`enabled`: it will be quantized), linear layers allocate their weights in host
+    memory (`weight_device`); `LinearBase.quantize_fp8` moves each to the device as it quantizes it."""
+    global _weights_on_host
+    previous, _weights_on_host = _weights_on_host, enabled
+    try:
+        yield
+    finally:
+        _weights_on_host = previous
+
+
+def weight_device() -> torch.device | None:
+    """Where a linear layer being built allocates its weight: the host inside `weights_on_host`, else None (the
+    current default device)."""
+    return torch.device("cpu") if _weights_on_host else None
 
 
 def _quantization_config(hf_config: Any) -> dict | None:

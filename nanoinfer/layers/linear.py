@@ -33,7 +33,7 @@ from torch import nn
 
 from nanoinfer.distributed.parallel_state import (fused_all_reduce, tp_all_reduce, tp_all_reduce_max, tp_rank,
                                                   tp_world_size)
-from nanoinfer.layers.fp8 import quantize_per_row, row_amax
+from nanoinfer.layers.fp8 import quantize_per_row, row_amax, weight_device
 from nanoinfer.layers.layernorm import DeferredNorm
 from nanoinfer.layers.skinny_dispatch import linear
 from nanoinfer.lora.layers import LoRASlots
@@ -82,7 +82,7 @@ class LinearBase(nn.Module):
         """Sizes are this rank's (already divided)."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, device=weight_device()), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -93,18 +93,19 @@ class LinearBase(nn.Module):
         # fp8 weights: float32 [output_size] (`quantize_fp8`); a buffer, so it follows the module's device.
         self.register_buffer("weight_scale", None, persistent=False)
 
-    def quantize_fp8(self) -> None:
-        """The loaded (and norm-folded) weight to float8_e4m3fn with one scale per output row."""
+    def quantize_fp8(self, device: torch.device) -> None:
+        """The loaded (and norm-folded) weight, moved to `device` (from host memory: `weights_on_host`), to
+        float8_e4m3fn with one scale per output row."""
         if self.weight_scale is not None:
             raise RuntimeError(f"{type(self).__name__}: the weight is fp8 already")
-        q, scale = quantize_per_row(self.weight.data, self.full_row_amax())
+        weight = self.weight.data.to(device)
+        q, scale = quantize_per_row(weight, self.full_row_amax(weight))
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
 
-    def full_row_amax(self) -> torch.Tensor | None:
-        """Each weight row's largest magnitude over all ranks, where a rank holds only part of each row (None:
-        this rank's rows are whole)."""
-        return None
+    def full_row_amax(self, weight: torch.Tensor) -> torch.Tensor:
+        """Each row's largest magnitude over all ranks (this rank's `weight` holds whole rows)."""
+        return row_amax(weight)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -127,8 +128,9 @@ class ColumnParallelLinear(LinearBase):
         copy_weight(param.data.narrow(0, offset, size), shard_of(loaded_weight, 0, self.tp_rank, self.tp_size))
 
     def fold_norm(self, norm_weight: torch.Tensor) -> None:
-        """W[:, i] *= g[i], rounded once: RMSNorm(h) W^T = r * (h (W * g)^T) for the norm's weight g."""
-        self.weight.copy_((self.weight.float() * norm_weight.float()).to(self.weight.dtype))
+        """W[:, i] *= g[i], rounded once: RMSNorm(h) W^T = r * (h (W * g)^T) for the norm's weight g (where W is,
+        which may be host memory: `weights_on_host`)."""
+        self.weight.copy_((self.weight.float() * norm_weight.to(self.weight.device).float()).to(self.weight.dtype))
         self.norm_weight = norm_weight.detach()  # (a plain tensor: not a second parameter of this layer)
 
     def forward(self, hidden: torch.Tensor, eps: float) -> tuple[torch.Tensor, DeferredNorm]:
@@ -193,10 +195,10 @@ class RowParallelLinear(LinearBase):
             loaded_weight = shard_of(loaded_weight, 1, self.tp_rank, self.tp_size)
         copy_weight(param.data, loaded_weight)
 
-    def full_row_amax(self) -> torch.Tensor | None:
+    def full_row_amax(self, weight: torch.Tensor) -> torch.Tensor:
         """Each rank holds a slice of every row: the row's scale is the whole row's, as with one rank, so fp8
         weights (and outputs) do not depend on the tensor-parallel size."""
-        return None if self.tp_size == 1 else tp_all_reduce_max(row_amax(self.weight.data))
+        return tp_all_reduce_max(row_amax(weight))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The residual stream with this layer's output added: in place on one GPU (the matmul's epilogue)."""

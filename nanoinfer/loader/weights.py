@@ -309,7 +309,8 @@ def load_model(
         if model_path is None:
             raise ValueError(f"load_format={load_format!r} needs a model_path; use load_format='dummy' to run without weights")
         folder = _model_dir(model_path)
-    with torch.device(device), _default_dtype(dtype):
+    on_host = quantization == "fp8" and torch.device(device).type != "cpu"  # (the GPU never holds bf16 weights)
+    with torch.device(device), _default_dtype(dtype), fp8.weights_on_host(on_host):
         model = model_class(hf_config)
     if folder is None:
         _fill_dummy(model, hf_config, torch.device(device))
@@ -320,7 +321,7 @@ def load_model(
         for name, module in model.named_modules():
             if isinstance(module, LinearBase):
                 try:
-                    module.quantize_fp8()
+                    module.quantize_fp8(torch.device(device))
                 except ValueError as e:
                     raise ValueError(f"{name}: {e}") from None
     return model.eval()
