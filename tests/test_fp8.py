@@ -264,6 +264,13 @@ def test_resolve_quantization():
     quantized.quantization_config["weight_block_size"] = [128]
     with pytest.raises(ValueError, match="weight_block_size"):
         fp8.checkpoint_block_size(quantized)
+    other.quantization_config = compressed_tensors_config("block")
+    assert fp8.resolve_quantization(None, other) == "fp8" and fp8.checkpoint_block_size(other) == (16, 32)
+    other.quantization_config = compressed_tensors_config("channel")
+    assert fp8.resolve_quantization(None, other) == "fp8" and fp8.checkpoint_block_size(other) is None
+    other.quantization_config["config_groups"]["group_1"] = compressed_tensors_config("tensor", 4, "int")["config_groups"]["group_0"]
+    with pytest.raises(ValueError, match="'group_1' stores 4-bit int weights"):
+        fp8.resolve_quantization(None, other)
 
 
 def test_a_model_to_quantize_is_built_with_its_projection_weights_in_host_memory():
@@ -313,10 +320,21 @@ def test_lora_adapters_on_fp8_weights_equal_the_merged_reference(models, tmp_pat
     assert ours == hf_greedy(merge(case["reference"], adapter, tmp_path / "merged"), PROMPTS, NUM_TOKENS)
 
 
-def write_fp8_checkpoint(base: str, folder, scheme: str) -> tuple[str, str]:
+def compressed_tensors_config(strategy: str, num_bits: int = 8, kind: str = "float") -> dict:
+    """llm-compressor's quantization_config for its FP8-dynamic scheme (weights `strategy`, activations per token)."""
+    weights = {"num_bits": num_bits, "type": kind, "strategy": strategy, "symmetric": True, "dynamic": False}
+    if strategy == "block":
+        weights["block_structure"] = [16, 32]
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": {
+                "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}, "kv_cache_scheme": None}
+
+
+def write_fp8_checkpoint(base: str, folder, scheme: str, compressed_tensors: bool = False) -> tuple[str, str]:
     """`base` saved as an fp8 checkpoint (`scheme`: "block" 16 x 32 scales in weight_scale_inv, as DeepSeek /
-    Qwen ship them; "row" or "tensor" weight_scale plus an input_scale, as AutoFP8's), and a float32 folder
-    of what it dequantizes to. Returns (fp8 folder, dequantized folder)."""
+    Qwen ship them; "row" or "tensor" weight_scale plus an input_scale, as AutoFP8's; `compressed_tensors`: as
+    llm-compressor saves them, every scale in weight_scale, with KV-cache scales), and a float32 folder of what it
+    dequantizes to. Returns (fp8 folder, dequantized folder)."""
     tensors = load_file(os.path.join(base, "model.safetensors"))
     fp8_tensors, dequantized = {}, {}
     for name, t in tensors.items():
@@ -327,15 +345,14 @@ def write_fp8_checkpoint(base: str, folder, scheme: str) -> tuple[str, str]:
         if scheme == "block":
             blocks = t.unflatten(0, (-1, 16)).unflatten(2, (-1, 32)).abs().amax(dim=(1, 3)) / 448
             scale_full = blocks.repeat_interleave(16, 0).repeat_interleave(32, 1)
-            fp8_tensors[f"{module}.weight_scale_inv"] = blocks
-        elif scheme == "row":
-            scale_full = t.abs().amax(dim=1, keepdim=True) / 448
-            fp8_tensors[f"{module}.weight_scale"] = scale_full
-            fp8_tensors[f"{module}.input_scale"] = torch.tensor(0.5)
+            fp8_tensors[f"{module}.weight_scale" if compressed_tensors else f"{module}.weight_scale_inv"] = blocks
         else:
-            scale_full = t.abs().amax() / 448
+            scale_full = t.abs().amax(dim=1, keepdim=True) / 448 if scheme == "row" else t.abs().amax() / 448
             fp8_tensors[f"{module}.weight_scale"] = scale_full
             fp8_tensors[f"{module}.input_scale"] = torch.tensor(0.5)
+        if compressed_tensors and name.endswith("k_proj.weight"):
+            attention = module.removesuffix(".k_proj")
+            fp8_tensors[f"{attention}.k_scale"], fp8_tensors[f"{attention}.v_scale"] = torch.tensor(0.1), torch.tensor(0.2)
         q = (t / scale_full).to(torch.float8_e4m3fn)
         fp8_tensors[name] = q
         dequantized[name] = q.float() * scale_full
@@ -346,7 +363,9 @@ def write_fp8_checkpoint(base: str, folder, scheme: str) -> tuple[str, str]:
         save_file(weights, os.path.join(path, "model.safetensors"))
         with open(os.path.join(base, "config.json")) as f:
             config = json.load(f)
-        if quantized:
+        if quantized and compressed_tensors:
+            config["quantization_config"] = compressed_tensors_config({"row": "channel"}.get(scheme, scheme))
+        elif quantized:
             config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"} | (
                 {"weight_block_size": [16, 32]} if scheme == "block" else {})
         with open(os.path.join(path, "config.json"), "w") as f:
@@ -355,11 +374,14 @@ def write_fp8_checkpoint(base: str, folder, scheme: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-@pytest.mark.parametrize("scheme", ["block", "row", "tensor"])
-def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(models, tmp_path, scheme):
+@pytest.mark.parametrize("scheme,compressed_tensors", [("block", False), ("row", False), ("tensor", False),
+                                                       ("block", True), ("row", True), ("tensor", True)])
+def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(models, tmp_path, scheme, compressed_tensors, caplog):
     """Loaded without quantization=: the checkpoint's quantization_config says fp8; the engine's model then
-    equals an fp8 engine on the dequantized float32 folder, bit for bit."""
-    quantized, dequantized = write_fp8_checkpoint(models["qwen3"]["base"], tmp_path / "ckpt", scheme)
+    equals an fp8 engine on the dequantized float32 folder, bit for bit. A compressed-tensors checkpoint's KV-cache
+    scales are left unused, with a warning."""
+    quantized, dequantized = write_fp8_checkpoint(models["qwen3"]["base"], tmp_path / "ckpt", scheme,
+                                                  compressed_tensors)
     ours = LLM(quantized, block_size=4, device="cpu")
     reference = LLM(dequantized, quantization="fp8", block_size=4, device="cpu")
     for (name, a), (_, b) in zip(engine_model(ours).named_modules(), engine_model(reference).named_modules()):
@@ -368,6 +390,7 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_weights(models, tmp_path, sc
             assert torch.equal(a.weight.float(), b.weight.float()) and torch.equal(a.weight_scale, b.weight_scale), name
     assert token_ids(ours.generate(PROMPTS, greedy(), use_tqdm=False)) == \
         token_ids(reference.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert ("KV-cache scales" in caplog.text) is compressed_tensors
 
 
 def test_bad_quantized_checkpoints_are_clear_errors(models, tmp_path):
@@ -390,6 +413,13 @@ def test_bad_quantized_checkpoints_are_clear_errors(models, tmp_path):
     awq = edited("awq", lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 4}))
     with pytest.raises(ValueError, match="quant_method='awq'"):
         LLM(awq, device="cpu")
+    int4 = edited("w4a16", lambda c: c.update(quantization_config=compressed_tensors_config("group", 4, "int")))
+    with pytest.raises(ValueError, match="stores 4-bit int weights: nanoinfer loads 8-bit float"):
+        LLM(int4, device="cpu")
+    no_block = compressed_tensors_config("block")
+    del no_block["config_groups"]["group_0"]["weights"]["block_structure"]
+    with pytest.raises(ValueError, match="gives no block_structure"):
+        LLM(edited("ct-no-block", lambda c: c.update(quantization_config=no_block)), device="cpu")
     with pytest.raises(ValueError, match="has no fp8 quantization_config"):
         LLM(edited("no-config", lambda c: c.pop("quantization_config")), device="cpu")
     scale = "model.layers.0.mlp.down_proj.weight_scale_inv"

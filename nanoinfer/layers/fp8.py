@@ -15,8 +15,9 @@ How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which e
   With `enforce_eager` a bf16 GPU model runs W8A8 at every size (the quantization in PyTorch).
 
 Quantized checkpoints (config.json's `quantization_config` with `quant_method` "fp8": DeepSeek / Qwen's
-128 x 128 block scales in `weight_scale_inv`, or AutoFP8's per-tensor or per-row `weight_scale`) load by
-dequantizing each weight as it is read; the model is then quantized like a bf16 one once the decoder norms are
+128 x 128 block scales in `weight_scale_inv`, or AutoFP8's per-tensor or per-row `weight_scale`; or
+"compressed-tensors" (llm-compressor's "FP8" / "FP8-dynamic" models) whose every group stores 8-bit float weights,
+per tensor, per channel or per block in `weight_scale`) load by dequantizing each weight as it is read; the model is then quantized like a bf16 one once the decoder norms are
 folded into the projections (the fold scales input features, which a block or row scale cannot carry, so the
 weights are rounded a second time). A static `input_scale` is not used: activations are always scaled per token
 as they come.
@@ -74,32 +75,64 @@ def _quantization_config(hf_config: Any) -> dict | None:
 
 
 def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
-    """The method the engine runs: the checkpoint's (its config's `quantization_config`), else `requested`.
-    A checkpoint quantized a way nanoinfer does not load is a ValueError."""
+    """The method the engine runs: "fp8" for an fp8 checkpoint (its config's `quantization_config`), else
+    `requested`. A checkpoint quantized a way nanoinfer does not load is a ValueError."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; choose one of {list(QUANTIZATION_METHODS)}")
     config = _quantization_config(hf_config)
     if config is None:
         return requested
-    method = config.get("quant_method")
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"the checkpoint is quantized with quant_method={method!r}, which nanoinfer does not load; "
-                         f"it loads {list(QUANTIZATION_METHODS)} checkpoints and unquantized ones (which "
-                         f"quantization='fp8' quantizes as they load)")
-    return method
+    checkpoint_block_size(hf_config)  # (checks the method and its scheme)
+    return "fp8"
 
 
 def checkpoint_block_size(hf_config: Any) -> tuple[int, int] | None:
-    """The [rows, columns] of one block scale of an fp8 checkpoint (`weight_block_size`), or None (its scales are
-    per tensor or per row)."""
+    """The [rows, columns] of one block scale of an fp8 checkpoint (`weight_block_size`, or a compressed-tensors
+    group's `block_structure`), or None (its scales are per tensor or per row). A checkpoint that is not fp8 is a
+    ValueError saying why."""
     config = _quantization_config(hf_config) or {}
-    block = config.get("weight_block_size")
+    method = config.get("quant_method")
+    if method == "fp8":
+        return _block_size(config.get("weight_block_size"), "weight_block_size")
+    if method == "compressed-tensors":
+        return _compressed_tensors_block_size(config)
+    raise ValueError(f"the checkpoint is quantized with quant_method={method!r}, which nanoinfer does not load; it "
+                     f"loads fp8 checkpoints ('fp8', or 'compressed-tensors' with 8-bit float weights) and unquantized "
+                     f"ones (which quantization='fp8' quantizes as they load)")
+
+
+def _block_size(block: Any, what: str) -> tuple[int, int] | None:
     if block is None:
         return None
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        raise ValueError(f"quantization_config's {what} must be two positive integers, got {block!r}")
     return int(block[0]), int(block[1])
+
+
+def _compressed_tensors_block_size(config: dict) -> tuple[int, int] | None:
+    """llm-compressor's format: every config group must store 8-bit float weights (its activations' scheme does not
+    matter: they are quantized per token here as they come); one block shape for all block-scaled groups."""
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("a compressed-tensors quantization_config needs config_groups")
+    blocks = set()
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        if weights.get("num_bits") != 8 or weights.get("type") != "float":
+            raise ValueError(f"compressed-tensors group {name!r} stores {weights.get('num_bits')}-bit "
+                             f"{weights.get('type')} weights: nanoinfer loads 8-bit float (fp8) ones only")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ValueError(f"compressed-tensors group {name!r} scales its weights per {strategy!r}: nanoinfer "
+                             f"loads per-tensor, per-channel and per-block scales")
+        if strategy == "block":
+            if weights.get("block_structure") is None:
+                raise ValueError(f"compressed-tensors group {name!r} scales per block but gives no block_structure")
+            blocks.add(_block_size(weights["block_structure"], "block_structure"))
+    if len(blocks) > 1:
+        raise ValueError(f"compressed-tensors groups use several block shapes {sorted(blocks)}: one is supported")
+    return blocks.pop() if blocks else None
 
 
 def dequantize_checkpoint_weight(name: str, weight: torch.Tensor, scale: torch.Tensor,

@@ -15,6 +15,7 @@ quantizes the model once its weights are processed (layers/fp8.py).
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -28,6 +29,7 @@ from nanoinfer.layers import fp8
 from nanoinfer.layers.linear import LinearBase, default_weight_loader
 from nanoinfer.models.registry import get_model_class
 
+logger = logging.getLogger("nanoinfer")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SEED = 0
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -102,10 +104,22 @@ def _checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, Any]]
     return targets
 
 
+def _is_kv_cache_scale(name: str) -> bool:
+    """A quantized checkpoint's KV-cache scales (compressed-tensors' `self_attn.k_scale` / `v_scale`, older
+    `kv_scale`, or `k_proj.output_scale` / `v_proj.output_scale`)."""
+    module, _, leaf = name.rpartition(".")
+    return leaf in ("k_scale", "v_scale", "kv_scale") or (
+        leaf == "output_scale" and module.endswith(("k_proj", "v_proj")))
+
+
 def _is_ignored(name: str, hf_config: Any) -> bool:
-    """Checkpoint tensors we do not need: old Llama exports store RoPE's inv_freq, and some
-    tied-embedding checkpoints store a copy of the embedding as lm_head."""
+    """Checkpoint tensors we do not need: old Llama exports store RoPE's inv_freq, some
+    tied-embedding checkpoints store a copy of the embedding as lm_head, and quantized checkpoints
+    may store KV-cache scales (the cache here is the model's dtype, or with kv_cache_dtype="fp8"
+    unscaled, as vLLM's default scale of 1)."""
     if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if _is_kv_cache_scale(name) and getattr(hf_config, "quantization_config", None) is not None:
         return True
     return name == "lm_head.weight" and getattr(hf_config, "tie_word_embeddings", False)
 
@@ -193,13 +207,18 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
     files = _safetensors_files(folder)
     names_by_file: dict[Path, list[str]] = {}
     where: dict[str, Path] = {}
+    kv_cache_scales = []
     for file in files:
         with _open_safetensors(file) as f:
             names_by_file[file] = [n for n in f.keys() if not _is_ignored(n, hf_config)]
+            kv_cache_scales += [n for n in f.keys() if _is_kv_cache_scale(n) and _is_ignored(n, hf_config)]
         for name in names_by_file[file]:
             if name in where:  # one would silently overwrite the other
                 raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
             where[name] = file
+    if kv_cache_scales:
+        logger.warning("the checkpoint's %d KV-cache scales (%s, ...) are not used: the KV cache holds the model's "
+                       "dtype, or with kv_cache_dtype='fp8' unscaled values", len(kv_cache_scales), kv_cache_scales[0])
     scales = _Fp8Scales(where, hf_config) if fp8.resolve_quantization(None, hf_config) == "fp8" else None
     if scales is None and any(_is_scale(n) for n in where):
         raise ValueError(f"the checkpoint holds fp8 scales ({next(n for n in where if _is_scale(n))!r}), but "
