@@ -284,7 +284,7 @@ def test_a_model_to_quantize_is_built_with_its_projection_weights_in_host_memory
         norm = torch.nn.Linear(2, 2)
     assert layer.weight.device.type == "cpu" and layer.bias.device.type == "meta" and norm.weight.device.type == "meta"
     layer.weight.data.normal_()
-    layer.fold_norm(torch.full((32,), 2.0))  # (the norm's weight lives on the device: the fold runs where W is)
+    layer.fold_norm(torch.full((32,), 2.0))  # (the fold runs where W is: on a GPU, the norm's weight comes over)
     layer.quantize_fp8(torch.device("cpu"))
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (24,)
     with torch.device("meta"):
@@ -436,6 +436,11 @@ def test_bad_quantized_checkpoints_are_clear_errors(models, tmp_path):
         LLM(edited("scale-of-bf16", tensors_change=lambda t: t.update({down: t[down].bfloat16()})), device="cpu")
     with pytest.raises(ValueError, match="layers.5.mlp.down_proj.weight_scale_inv' is the scale of a weight the checkpoint"):
         LLM(edited("stray-scale", tensors_change=lambda t: t.update({scale.replace(".0.", ".5."): t[scale].clone()})), device="cpu")
+    with pytest.raises(ValueError, match=r"down_proj.weight' has two scales"):
+        LLM(edited("two-scales", tensors_change=lambda t: t.update({down + "_scale": t[scale].max().reshape(1)})),
+            device="cpu")
+    with pytest.raises(ValueError, match="is torch.int8: weights must be floating point"):
+        LLM(edited("int8", tensors_change=lambda t: t.update({down: t[down].view(torch.int8)})), device="cpu")
     with pytest.raises(ValueError, match="float8_e5m2: fp8 weights must be torch.float8_e4m3fn"):
         LLM(edited("e5m2", tensors_change=lambda t: t.update({down: t[down].float().to(torch.float8_e5m2)})),
             device="cpu")

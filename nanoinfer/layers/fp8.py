@@ -10,8 +10,8 @@ How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which e
 * larger batches on a GPU in bfloat16: each token's activations are quantized to fp8 with a scale of their
   own (`quantize_per_token`: one Triton kernel on a GPU) and `torch._scaled_mm` multiplies on the fp8
   tensor cores, both scales applied in its epilogue ("W8A8", vLLM's dynamic per-token scheme);
-* everywhere else (CPU; float16 / float32 models): the weight is dequantized to the activations' dtype and
-  multiplied (W8A16: the reference the tests compare with transformers on the dequantized weights).
+* everywhere else (CPU; float16 / float32 models): the weight is upcast to the activations' dtype and the
+  product scaled (W8A16: the reference the tests compare with transformers on the dequantized weights).
   With `enforce_eager` a bf16 GPU model runs W8A8 at every size (the quantization in PyTorch).
 
 Quantized checkpoints (config.json's `quantization_config` with `quant_method` "fp8": DeepSeek / Qwen's
@@ -208,13 +208,17 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (weight * weight_scale[:, None])^T -> [M, N] in x's dtype: W8A8 through `torch._scaled_mm`
-    where it runs, else W8A16 with the weight dequantized to x's dtype (scaled first: q alone, up to 448 times
-    the weight, would overflow a float16 product)."""
+    where it runs, else W8A16: the weight upcast to x's dtype, the product scaled in float32. In float16 the
+    weight is scaled first (through a float32 copy): q alone, up to 448 / row max times the weight, would
+    overflow a float16 product."""
     if _scaled_mm_fits(x, weight):
         q, x_scale = quantize_per_token(x)
         return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                                 out_dtype=x.dtype)
-    return F.linear(x, dequantized(weight, weight_scale, x.dtype))
+    if x.dtype == torch.float16:
+        return F.linear(x, dequantized(weight, weight_scale, x.dtype))
+    out = F.linear(x, weight.to(x.dtype))
+    return out.mul_(weight_scale) if x.dtype == torch.float32 else (out.float() * weight_scale).to(x.dtype)
 
 
 def dequantized(weight: torch.Tensor, weight_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -9,7 +9,8 @@ with generated checkpoint tensors, so every TP size sees the same model.
 Every name is checked before anything is read: a missing or unexpected
 weight fails fast, naming it. An fp8 checkpoint's weights are dequantized
 as they are read (their scales are read with them); `quantization="fp8"`
-quantizes the model once its weights are processed (layers/fp8.py).
+quantizes the model once its weights are processed (layers/fp8.py), and on
+a GPU builds its projections' weights in host memory until then.
 """
 
 from __future__ import annotations
@@ -165,7 +166,8 @@ def _is_scale(name: str) -> bool:
 class _Fp8Scales:
     """An fp8 checkpoint's scales (`<module>.weight_scale_inv` or `.weight_scale`, and the unused `.input_scale`):
     each float8 weight is dequantized with its own as it is read, and every weight scale must be used by one, so
-    a scale beside a weight stored unquantized cannot be dropped unseen."""
+    a scale beside a weight stored unquantized cannot be dropped unseen (an `input_scale` may sit beside any
+    weight: it is not used)."""
 
     def __init__(self, where: dict[str, Path], hf_config: Any) -> None:
         self.block = fp8.checkpoint_block_size(hf_config)
@@ -184,8 +186,10 @@ class _Fp8Scales:
         module, _, leaf = name.rpartition(".")
         if leaf != "weight":
             raise ValueError(f"fp8 checkpoint tensor {name!r} is float8, but only weights are quantized")
-        scale = next((f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in self.names),
-                     None)
+        found = [f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in self.names]
+        if len(found) > 1:
+            raise ValueError(f"fp8 checkpoint tensor {name!r} has two scales, {found}: which one applies is unknown")
+        scale = found[0] if found else None
         if scale is None:
             raise ValueError(f"fp8 checkpoint tensor {name!r} has no scale ({module}.weight_scale_inv or "
                              f"{module}.weight_scale) in the checkpoint")
@@ -205,14 +209,13 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
     missing where nothing computes logits (`needs_lm_head` False: runner="pooling"). An fp8 checkpoint's
     float8 weights are dequantized with their scales as they are read (`_Fp8Scales`)."""
     files = _safetensors_files(folder)
-    names_by_file: dict[Path, list[str]] = {}
     where: dict[str, Path] = {}
     kv_cache_scales = []
     for file in files:
         with _open_safetensors(file) as f:
-            names_by_file[file] = [n for n in f.keys() if not _is_ignored(n, hf_config)]
+            names = [n for n in f.keys() if not _is_ignored(n, hf_config)]
             kv_cache_scales += [n for n in f.keys() if _is_kv_cache_scale(n) and _is_ignored(n, hf_config)]
-        for name in names_by_file[file]:
+        for name in names:
             if name in where:  # one would silently overwrite the other
                 raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
             where[name] = file
@@ -242,7 +245,7 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
 
         for name in weights:
             tensor = read(name)
-            if scales is not None and tensor.element_size() == 1:
+            if scales is not None and tensor.dtype.is_floating_point and tensor.element_size() == 1:
                 tensor = scales.dequantized(name, tensor, read)
             _load_tensor(targets, rename.get(name, name), tensor)
     if scales is not None:
@@ -315,9 +318,10 @@ def load_model(
     needs_lm_head: bool = True,
     quantization: str | None = None,
 ) -> nn.Module:
-    """Build the architecture named by `hf_config` directly on `device` in `dtype` and load its
-    weights (`auto` and `safetensors` read `model_path`; `dummy` needs no files). `quantization`
-    ("fp8", from `fp8.resolve_quantization`): the decoder's projections then hold fp8 weights."""
+    """Build the architecture named by `hf_config` on `device` in `dtype` and load its weights (`auto` and
+    `safetensors` read `model_path`; `dummy` needs no files). `quantization` ("fp8", from
+    `fp8.resolve_quantization`): the decoder's projections then hold fp8 weights, their full-precision ones
+    built on the host until each is quantized (`fp8.weights_on_host`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {LOAD_FORMATS}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
