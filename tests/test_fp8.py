@@ -469,3 +469,17 @@ def test_tp2_fp8_equals_tp1(models):
     finally:
         llm.close()
     assert not dist.is_initialized()
+
+
+def test_tp2_refuses_a_weight_that_is_not_finite_on_every_rank(models, tmp_path):
+    """A NaN in the second rank's shard of a column-parallel weight: every rank refuses it (they agree at load),
+    so the engine raises the reason instead of a rank waiting for a peer that left."""
+    folder = tmp_path / "nan"
+    shutil.copytree(models["qwen3"]["base"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_proj.weight"][-1, 0] = float("nan")  # (rank 1 holds the last rows)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="qkv_proj: cannot quantize a weight that is not finite"):
+        LLM(str(folder), device="cpu", quantization="fp8", tensor_parallel_size=2, num_kv_blocks=32)
+    assert not dist.is_initialized()
+

@@ -104,8 +104,13 @@ class LinearBase(nn.Module):
         self.weight_scale = scale
 
     def full_row_amax(self, weight: torch.Tensor) -> torch.Tensor:
-        """Each row's largest magnitude over all ranks (this rank's `weight` holds whole rows)."""
-        return row_amax(weight)
+        """Each row's largest magnitude (this rank's `weight` holds whole rows). Under tensor parallelism the
+        ranks agree whether any weight is not finite, so all of them refuse it (one alone would leave the
+        others waiting in the next collective)."""
+        amax = row_amax(weight)
+        if self.tp_size > 1 and not torch.isfinite(tp_all_reduce_max(amax.max().reshape(1))).all():
+            amax.fill_(float("inf"))
+        return amax
 
 
 class ColumnParallelLinear(LinearBase):
