@@ -217,6 +217,44 @@ def test_fp8_weights_in_graphs_equal_the_reference_path_fp32(monkeypatch) -> Non
     assert_greedy_close(reference, fast)
 
 
+def test_fp8_weights_load_without_the_bf16_model_on_the_gpu(monkeypatch) -> None:
+    """quantization="fp8": the projections' bf16 weights are built and loaded in host memory and quantized one at a
+    time on their way to the GPU, so the load's GPU peak is the fp8 model, the rest of the model and one checkpoint
+    tensor in flight (dummy weights are generated on the GPU, the embedding the largest), with a little room for
+    one weight's quantization; nothing stays on the host. Before (5c19cc8) the bf16 projections were all there."""
+    from nanoinfer import LLM
+    from nanoinfer.layers.linear import LinearBase
+    from nanoinfer.model_runner import model_runner
+
+    loads = []
+    load = model_runner.load_model
+
+    def recording_load(*args, **kwargs):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model = load(*args, **kwargs)
+        loads.append((model, torch.cuda.max_memory_allocated() - before))
+        return model
+
+    monkeypatch.setattr(model_runner, "load_model", recording_load)
+    free_gpu_memory()
+    llm = LLM(CONFIG, load_format="dummy", quantization="fp8", max_model_len=2048, gpu_memory_utilization=0.4)
+    try:
+        model, peak = loads[0]
+        linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+        fp8_bytes = sum(m.weight.numel() + 4 * m.weight_scale.numel() for m in linears)
+        other_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "_proj." not in n)
+        largest_tensor = max(p.numel() * 2 for p in model.parameters())  # (bf16, as the checkpoint tensor is made)
+        print(f"load peak {peak / 2**20:.0f} MiB: fp8 projections {fp8_bytes / 2**20:.0f}, the rest "
+              f"{other_bytes / 2**20:.0f}, the largest tensor {largest_tensor / 2**20:.0f}")
+        assert peak <= fp8_bytes + other_bytes + largest_tensor + (64 << 20)
+        assert all(t.is_cuda for t in [*model.parameters(), *model.buffers()])
+    finally:
+        llm.close()
+        del llm, loads, model
+        free_gpu_memory()
+
+
 def test_fp8_weights_bf16_track_fp32_like_the_reference_path(fp32_reference: list) -> None:
     """quantization="fp8" in bf16: decode-sized steps multiply bf16 activations by the fp8 weights (the skinny
     kernel), larger ones quantize the activations per token and run torch._scaled_mm; the reference path runs
