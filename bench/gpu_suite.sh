@@ -8,8 +8,9 @@
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files): bench/carry.sh
 # prepares both, and the embedded model for the SmolLM2 test.
 source "$(dirname "$0")/suite_common.sh"
-if [ "$what" = all ] || [ "$what" = tests ]; then  # ~3.5-5.5 min on an H200 (each engine captures its mixed-step graphs)
-  run 480 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
+if [ "$what" = all ] || [ "$what" = tests ]; then  # ~3.5-5.5 min on an H200 (each engine captures its mixed-step graphs),
+  # ~2-3 more with the fp8 weights' tests (2026-11-29): a call of its own
+  run 570 gpu_engine_tests python3 -X faulthandler -m pytest -m gpu tests/gpu/test_engine_gpu.py tests/test_sampler.py \
     -v -s -p no:cacheprovider --timeout 150
 fi
 if [ "$what" = all ] || [ "$what" = kernel_tests ]; then  # ~6 min on an H200: a call of its own
