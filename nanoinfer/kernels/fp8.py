@@ -73,7 +73,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = min(_BLOCK, triton.next_power_of_2(K))
         pdl = pdl_enabled(x.device)
         _quantize_per_token_kernel[(M,)](
-            x, q, scale, K, x.stride(0), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, ROUND_FIRST=INTERPRETER, USE_PDL=pdl,
-            num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
+            x, q, scale, K, x.stride(0), FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, ROUND_FIRST=INTERPRETER,
+            USE_PDL=pdl, num_warps=max(1, min(8, block // 256)), launch_pdl=pdl,
         )
     return q, scale

@@ -16,9 +16,9 @@ How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which e
 
 Quantized checkpoints (config.json's `quantization_config` with `quant_method` "fp8": DeepSeek / Qwen's
 128 x 128 block scales in `weight_scale_inv`, or AutoFP8's per-tensor or per-row `weight_scale`; or
-"compressed-tensors" (llm-compressor's "FP8" / "FP8-dynamic" models) whose every group stores 8-bit float weights,
-per tensor, per channel or per block in `weight_scale`) load by dequantizing each weight as it is read; the model is then quantized like a bf16 one once the decoder norms are
-folded into the projections (the fold scales input features, which a block or row scale cannot carry, so the
+"compressed-tensors" (llm-compressor's "FP8" / "FP8-dynamic" models) whose every group stores 8-bit float
+weights, per tensor, per channel or per block in `weight_scale`) load by dequantizing each weight as it is read;
+the model is then quantized like a bf16 one once the decoder norms are folded into the projections (the fold scales input features, which a block or row scale cannot carry, so the
 weights are rounded a second time). A static `input_scale` is not used: activations are always scaled per token
 as they come.
 
@@ -177,12 +177,22 @@ def quantize_per_row(weight: torch.Tensor, amax: torch.Tensor | None = None) -> 
     amax = row_amax(weight) if amax is None else amax
     if not torch.isfinite(amax).all():
         raise ValueError("cannot quantize a weight that is not finite to fp8")
-    scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
+    scale = _scale(amax)
     q = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
-        rows = weight[start:start + _QUANTIZE_ROWS].float() / scale[start:start + _QUANTIZE_ROWS, None]
-        q[start:start + _QUANTIZE_ROWS] = rows.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        q[start:start + _QUANTIZE_ROWS] = _to_fp8(weight[start:start + _QUANTIZE_ROWS].float(),
+                                                 scale[start:start + _QUANTIZE_ROWS, None])
     return q, scale
+
+
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale that maps a row's largest magnitude `amax` to 448."""
+    return (amax / FP8_MAX).clamp_min(MIN_SCALE)
+
+
+def _to_fp8(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 `rows` over their `scale`, clamped to +-448 and rounded to float8_e4m3fn (nearest, ties to even)."""
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,8 +205,8 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
         return kernel(x)
     rows = x.float()
-    scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    scale = _scale(rows.abs().amax(dim=1, keepdim=True))
+    return _to_fp8(rows, scale), scale
 
 
 def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -222,7 +232,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def dequantized(weight: torch.Tensor, weight_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A layer's weight as the matmul means it, in `dtype` (for references and checks)."""
+    """A layer's weight as the matmul means it, in `dtype` (the float16 W8A16 path, references and checks)."""
     if weight_scale is None:
         return weight.to(dtype)
     return (weight.float() * weight_scale[:, None]).to(dtype)

@@ -169,9 +169,10 @@ class _Fp8Scales:
     a scale beside a weight stored unquantized cannot be dropped unseen (an `input_scale` may sit beside any
     weight: it is not used)."""
 
-    def __init__(self, where: dict[str, Path], hf_config: Any) -> None:
+    def __init__(self, names: set[str], where: dict[str, Path], hf_config: Any) -> None:
+        """`names`: the checkpoint's scale tensors; `where`: every tensor's file, by name."""
         self.block = fp8.checkpoint_block_size(hf_config)
-        self.names = {n for n in where if _is_scale(n)}
+        self.names = names
         for name in self.names:
             if f"{name.rpartition('.')[0]}.weight" not in where:
                 raise ValueError(f"fp8 checkpoint tensor {name!r} is the scale of a weight the checkpoint does not "
@@ -189,12 +190,11 @@ class _Fp8Scales:
         found = [f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in self.names]
         if len(found) > 1:
             raise ValueError(f"fp8 checkpoint tensor {name!r} has two scales, {found}: which one applies is unknown")
-        scale = found[0] if found else None
-        if scale is None:
+        if not found:
             raise ValueError(f"fp8 checkpoint tensor {name!r} has no scale ({module}.weight_scale_inv or "
                              f"{module}.weight_scale) in the checkpoint")
-        self.used.add(scale)
-        return fp8.dequantize_checkpoint_weight(name, tensor, read(scale), self.block)
+        self.used.add(found[0])
+        return fp8.dequantize_checkpoint_weight(name, tensor, read(found[0]), self.block)
 
     def check_all_used(self) -> None:
         unused = sorted(n for n in self.names - self.used if not n.endswith(".input_scale"))
@@ -213,25 +213,29 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
     kv_cache_scales = []
     for file in files:
         with _open_safetensors(file) as f:
-            names = [n for n in f.keys() if not _is_ignored(n, hf_config)]
-            kv_cache_scales += [n for n in f.keys() if _is_kv_cache_scale(n) and _is_ignored(n, hf_config)]
-        for name in names:
+            keys = list(f.keys())
+        ignored = {n for n in keys if _is_ignored(n, hf_config)}
+        kv_cache_scales += [n for n in keys if n in ignored and _is_kv_cache_scale(n)]
+        for name in (n for n in keys if n not in ignored):
             if name in where:  # one would silently overwrite the other
                 raise ValueError(f"tensor {name!r} is in two checkpoint files: {where[name].name} and {file.name}")
             where[name] = file
     if kv_cache_scales:
         logger.warning("the checkpoint's %d KV-cache scales (%s, ...) are not used: the KV cache holds the model's "
                        "dtype, or with kv_cache_dtype='fp8' unscaled values", len(kv_cache_scales), kv_cache_scales[0])
-    scales = _Fp8Scales(where, hf_config) if fp8.resolve_quantization(None, hf_config) == "fp8" else None
-    if scales is None and any(_is_scale(n) for n in where):
-        raise ValueError(f"the checkpoint holds fp8 scales ({next(n for n in where if _is_scale(n))!r}), but "
-                         f"config.json has no fp8 quantization_config saying how to apply them")
+    scale_names = {n for n in where if _is_scale(n)}
+    scales = None
+    if fp8.resolve_quantization(None, hf_config) == "fp8":
+        scales = _Fp8Scales(scale_names, where, hf_config)
+    elif scale_names:
+        raise ValueError(f"the checkpoint holds fp8 scales ({min(scale_names)!r}), but config.json has no fp8 "
+                         f"quantization_config saying how to apply them")
     own = _checkpoint_targets(model)
     rename = {n: f"model.{n}" for n in where if n not in own and f"model.{n}" in own}
     twice = next((n for n in rename if rename[n] in where), None)
     if twice is not None:  # one would silently overwrite the other
         raise ValueError(f"tensor {rename[twice]!r} is in the checkpoint twice: as {twice!r} and {rename[twice]!r}")
-    weights = [n for n in where if scales is None or n not in scales.names]
+    weights = [n for n in where if n not in scale_names]
     targets = _match_names(model, {rename.get(n, n) for n in weights}, f"checkpoint in {str(folder)!r}",
                            frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
     with ExitStack() as stack:
