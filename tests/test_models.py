@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 import nanoinfer.layers.linear as linear_module
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
@@ -143,6 +144,11 @@ CASES = {
     "mistral": (MistralConfig, None, dict(sliding_window=None)),
     "qwen2-qkv-bias": (Qwen2Config, None, {}),
     "qwen3-tied-headdim32": (Qwen3Config, None, dict(tie_word_embeddings=True, head_dim=32)),
+    # Mixture of experts: a sparse layer and a dense one (`decoder_sparse_step`), renormalised top-k; Mixtral.
+    "qwen3-moe-sharded": (Qwen3MoeConfig, "20KB", dict(head_dim=16, num_experts=8, num_experts_per_tok=3,
+                                                       moe_intermediate_size=24, decoder_sparse_step=2,
+                                                       norm_topk_prob=True)),
+    "mixtral": (MixtralConfig, None, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
 }
 
 

@@ -80,10 +80,16 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; choose one of {list(QUANTIZATION_METHODS)}")
     config = _quantization_config(hf_config)
-    if config is None:
-        return requested
-    checkpoint_block_size(hf_config)  # (checks the method and its scheme)
-    return "fp8"
+    if config is not None:
+        checkpoint_block_size(hf_config)  # (checks the method and its scheme)
+    method = requested if config is None else "fp8"
+    from nanoinfer.layers.moe import num_experts_of  # (layers/moe.py imports this module's users)
+
+    if method is not None and num_experts_of(hf_config):
+        raise ValueError(f"{'the checkpoint is fp8' if config is not None else 'quantization=' + repr(method)}, but fp8 "
+                         f"weights are not supported for mixture-of-experts models yet (their experts run in the "
+                         f"model's dtype): use an unquantized checkpoint without quantization")
+    return method
 
 
 def checkpoint_block_size(hf_config: Any) -> tuple[int, int] | None:

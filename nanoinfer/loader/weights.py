@@ -92,12 +92,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 def _checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, Any]]:
     """Checkpoint tensor name -> (our parameter, shard_id). A fused parameter such as
-    `...self_attn.qkv_proj.weight` is the target of `...q_proj.weight` (shard "q") etc.
-    A tied LM head shares the embedding parameter, so only the embedding is expected."""
+    `...self_attn.qkv_proj.weight` is the target of `...q_proj.weight` (shard "q") etc.; a parameter
+    that lists its own `checkpoint_names` (relative to its module: the MoE experts' stacked weights)
+    is the target of those. A tied LM head shares the embedding parameter, so only the embedding is expected."""
     packed = getattr(model, "packed_modules_mapping", {})
     targets: dict[str, tuple[nn.Parameter, Any]] = {}
     for name, param in model.named_parameters():
         module_path, _, leaf = name.rpartition(".")
+        own = getattr(param, "checkpoint_names", None)
+        if own is not None:
+            targets.update({f"{module_path}.{relative}": (param, shard_id) for relative, shard_id in own.items()})
+            continue
         parent, _, module_name = module_path.rpartition(".")
         prefix = f"{parent}." if parent else ""
         for checkpoint_module, shard_id in packed.get(module_name, [(module_name, None)]):
@@ -269,12 +274,15 @@ def _open_safetensors(file: Path) -> Iterator[Any]:
 
 def _checkpoint_shapes(hf_config: Any) -> dict[str, torch.Size]:
     """Name -> full shape of each tensor a checkpoint of this model holds, read off transformers' own
-    model built on the meta device (no memory, no weights)."""
+    model built on the meta device (no memory, no weights), under the names its checkpoints use
+    (transformers stacks MoE experts in memory and saves one tensor per expert)."""
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(hf_config)
-    return {name: t.shape for name, t in reference.state_dict().items() if not _is_ignored(name, hf_config)}
+    state = revert_weight_conversion(reference, reference.state_dict())
+    return {name: t.shape for name, t in state.items() if not _is_ignored(name, hf_config)}
 
 
 def dummy_bounds(name: str, shape: torch.Size) -> tuple[float, float]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from nanoinfer.layers.moe import is_moe_layer
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT's tensor names: base_model.model.<the model's module>.lora_A.weight (the adapter name is not saved).
@@ -126,10 +128,13 @@ def _read_weights(path: str, hf_config: Any, rank: int) -> dict[tuple[int, str],
         if match is None or match.group(3) not in shapes or _PARENT[match.group(3)] != match.group(2):
             raise ValueError(f"LoRA adapter {path}: tensor {name!r} adapts a module nanoinfer does not "
                              f"(supported: the decoder layers' {', '.join(shapes)})")
-        layer, _, module, which = match.groups()
+        layer, parent, module, which = match.groups()
         if int(layer) >= hf_config.num_hidden_layers:
             raise ValueError(f"LoRA adapter {path}: tensor {name!r} is for layer {layer}; the model has "
                              f"{hf_config.num_hidden_layers}")
+        if parent == "mlp" and is_moe_layer(hf_config, int(layer)):
+            raise ValueError(f"LoRA adapter {path}: tensor {name!r} adapts layer {layer}'s MLP, which is a mixture of "
+                             f"experts here: adapters on MoE experts are not supported (attention projections are)")
         if not tensor.is_floating_point():
             raise ValueError(f"LoRA adapter {path}: tensor {name!r} holds {tensor.dtype}, not floating-point weights")
         in_features, out_features = shapes[module]

@@ -1,16 +1,19 @@
 """The Llama decoder family in one implementation: Llama 2/3, SmolLM2, Mistral,
-Qwen2 and Qwen3 differ only in flags read from the HF config:
+Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral differ only in flags
+read from the HF config:
 
 * `attention_bias` (Llama, Qwen3): bias on q/k/v/o; Qwen2 always has a q/k/v bias and none on o, whatever
   its config says (a config converted from a Qwen2 GGUF says true); `mlp_bias`: Llama's only;
-* Qwen3 normalises each query and key head (RMSNorm over head_dim) before RoPE;
-* `tie_word_embeddings`: the LM head reuses the embedding matrix.
+* Qwen3 (and Qwen3-MoE) normalises each query and key head (RMSNorm over head_dim) before RoPE;
+* `tie_word_embeddings`: the LM head reuses the embedding matrix;
+* Qwen3-MoE and Mixtral replace the MLP by a sparse MoE block (layers/moe.py) in every layer that
+  `is_moe_layer` names (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`).
 
 Tokens of all sequences arrive flattened (`[T]` ids and positions); attention
 finds the batch layout in the forward context set by the model runner.
 
 The decoder's norms run no kernel of their own: each is folded into the
-projection after it (`fold_norms`, once the weights are loaded), and the
+projection after it (an MoE block's input norm excepted: its router and experts share one norm kernel) (`fold_norms`, once the weights are loaded), and the
 row-parallel projections add into the residual stream (layers/linear.py).
 Module names mirror the HF checkpoints so the loader maps names 1:1, except
 the fused projections listed in `packed_modules_mapping`.
@@ -28,6 +31,7 @@ from nanoinfer.layers.attention import Attention
 from nanoinfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanoinfer.layers.moe import SparseMoeBlock, is_moe_layer
 from nanoinfer.layers.rotary import RotaryEmbedding, get_rope
 
 
@@ -47,7 +51,7 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size,
                                         bias=attention_bias and config.model_type != "qwen2", all_reduce_slot=0)
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         else:
@@ -71,17 +75,23 @@ class LlamaMLP(nn.Module):
                                            all_reduce_slot=1)
         self.act_fn = SiluAndMul()
 
-    def forward(self, hidden: torch.Tensor, eps: float) -> torch.Tensor:
-        """The residual stream `hidden` plus the MLP of its RMSNorm (whose weight gate_up holds)."""
-        gate_up, norm = self.gate_up_proj(hidden, eps)
+    def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The residual stream `hidden` plus the MLP of its RMSNorm `norm` (whose weight gate_up holds)."""
+        gate_up, norm = self.gate_up_proj(hidden, norm.eps)
         return self.down_proj(self.act_fn(gate_up, norm), residual=hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        # The feed-forward block, under its checkpoint name (Mixtral's MoE block is `block_sparse_moe`).
+        if is_moe_layer(config, layer_idx):
+            self.ffn_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+            self.add_module(self.ffn_name, SparseMoeBlock(config, all_reduce_slot=1))
+        else:
+            self.ffn_name = "mlp"
+            self.mlp = LlamaMLP(config)
         # Checkpoint weights folded into the projections after them (`fold_norms`); eps stays here.
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,11 +99,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The residual stream in, updated (in place on one GPU) out."""
         hidden = self.self_attn(positions, hidden, self.input_layernorm.eps)
-        return self.mlp(hidden, self.post_attention_layernorm.eps)
+        return getattr(self, self.ffn_name)(hidden, self.post_attention_layernorm)
 
     def fold_norms(self) -> None:
         self.self_attn.qkv_proj.fold_norm(self.input_layernorm.weight)
-        self.mlp.gate_up_proj.fold_norm(self.post_attention_layernorm.weight)
+        ffn = getattr(self, self.ffn_name)
+        if isinstance(ffn, LlamaMLP):
+            ffn.gate_up_proj.fold_norm(self.post_attention_layernorm.weight)
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +115,7 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         # One cos/sin table shared by every layer.
         rotary_emb = get_rope(head_dim, config.max_position_embeddings, config)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
     # Bare-model exports, as embedding models ship (runner="pooling"): the same layers without an LM head.
     "LlamaModel": LlamaForCausalLM,
     "MistralModel": LlamaForCausalLM,

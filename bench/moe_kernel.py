@@ -1,0 +1,108 @@
+"""GPU micro-benchmark of the fused MoE kernels (kernels/moe.py) on one Qwen3-30B-A3B layer's experts (128 experts
+of 768, hidden 2048, 8 per token, bf16), against transformers' experts module on the same weights (its loop over
+the experts in use, eager: the peer).
+
+Per batch size T: the routing (the gate's matmul, softmax, top-k) and `fused_moe`, timed from CUDA-graph replays
+rotating over enough layers' experts that no replay finds its weights in L2, as a decode step's layers do. Bytes
+counted are those a call must read: the weights of every expert in use (the uniform random router uses nearly all
+of them from T ~ 64) plus the activations; TB/s = bytes / time, against a device copy's rate.
+
+Usage: PYTHONPATH=. python bench/moe_kernel.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from nanoinfer.kernels.moe import fused_moe
+from nanoinfer.kernels.skinny_gemm import graph_seconds_per_call
+from nanoinfer.layers.moe import fused_moe_math, route
+
+HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, DTYPE = 2048, 768, 128, 8, torch.bfloat16
+BATCHES = (1, 8, 32, 64, 128, 256, 1024, 4096)
+LAYERS = 4  # 4 x 1.2 GB of experts: far over L2
+
+
+def copy_rate() -> float:
+    """Bytes read + written per second by a 1 GiB device-to-device copy."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / graph_seconds_per_call([lambda: dst.copy_(src)], replays=20)
+
+
+def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:
+    x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+    gates = [gate for gate, _, _ in layers]
+    routed = [route(F.linear(x, gate), TOP_K, True) for gate in gates]
+    t_route = graph_seconds_per_call([lambda g=g: route(F.linear(x, g), TOP_K, True) for g in gates], replays=20)
+    t_moe = graph_seconds_per_call(
+        [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)], replays=20)
+    used = torch.unique(routed[0][1]).numel()
+    nbytes = used * 3 * HIDDEN * INTERMEDIATE * 2 + T * HIDDEN * 2 * 2
+    _, w13, w2 = layers[0]
+    ours = fused_moe(x, w13, w2, *routed[0]).float()
+    reference = fused_moe_math(x, w13, w2, *routed[0]).float()
+    err = ((ours - reference).norm() / reference.norm()).item()
+    return {"T": T, "experts_used": used, "mbytes": nbytes / 1e6, "route_us": t_route * 1e6, "moe_us": t_moe * 1e6,
+            "moe_tbps": nbytes / t_moe / 1e12, "rel_err_vs_math": err}
+
+
+def peer_seconds(T: int, layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
+    """transformers' Qwen3MoeExperts (its per-expert loop, eager) on the same weights and routing."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=EXPERTS,
+                            num_experts_per_tok=TOP_K)
+    with torch.device("meta"):
+        experts = Qwen3MoeExperts(config)
+    gate, w13, w2 = layer
+    experts.gate_up_proj, experts.down_proj = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
+    x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+    weights, ids = route(F.linear(x, gate), TOP_K, True)
+    with torch.no_grad():
+        experts(x, ids.long(), weights.to(DTYPE))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            experts(x, ids.long(), weights.to(DTYPE))
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_kernel.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rate = copy_rate()
+    layers = [(torch.randn(EXPERTS, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5,
+               torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5,
+               torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=DTYPE) / INTERMEDIATE**0.5)
+              for _ in range(LAYERS)]
+    rows = []
+    for T in BATCHES:
+        row = bench(T, layers)
+        row["peer_us"] = peer_seconds(T, layers[0]) * 1e6
+        rows.append(row)
+    device = torch.cuda.get_device_name(0)
+    print(f"{device}  triton {triton.__version__}  torch {torch.__version__}  copy (read + write) {rate / 1e12:.2f} TB/s")
+    print("fused MoE, one Qwen3-30B-A3B layer's experts (bf16, CUDA graphs, weights not L2-resident)")
+    print("      T  experts     MB   route us   moe us   TB/s  % copy  transformers us  rel err")
+    for r in rows:
+        print(f"  {r['T']:>5} {r['experts_used']:>8} {r['mbytes']:>6.0f} {r['route_us']:>10.1f} {r['moe_us']:>8.1f}"
+              f" {r['moe_tbps']:>6.2f} {100 * r['moe_tbps'] * 1e12 / rate:>7.1f} {r['peer_us']:>16.1f}"
+              f"  {r['rel_err_vs_math']:.1e}")
+    with open(args.json, "w") as f:
+        json.dump({"device": device, "copy_tbps": rate / 1e12, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, and
+the token's output is the routing-weighted sum of those experts' SiLU-gated MLPs.
+
+All experts' weights live in two stacked tensors, `w13` [E, 2 * I, H] (each expert's gate rows, then its up
+rows) and `w2` [E, H, I], so one kernel launch serves every expert (kernels/moe.py on a GPU; `fused_moe_math`
+elsewhere). Under tensor parallelism each rank holds every expert's slice of the intermediate dimension (the
+gate/up rows and the down columns, as a dense MLP is split): the ranks' partial outputs are summed with the
+residual stream by the same all-reduce as the dense MLP's (`reduce_partial`). The router is replicated.
+
+Unlike the dense MLP's, this block's input RMSNorm is not folded into the projections after it: the router and
+the experts both read the normalised stream, which is computed once here (one kernel on a GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoinfer.distributed.parallel_state import tp_rank, tp_world_size
+from nanoinfer.layers.layernorm import RMSNorm
+from nanoinfer.layers.linear import copy_weight, divide, reduce_partial, shard_of
+
+
+def num_experts_of(config: Any) -> int:
+    """Experts per MoE layer: Qwen3-MoE's `num_experts`, Mixtral's `num_local_experts` (0: a dense model)."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    """Whether decoder layer `layer_idx` has an MoE block (Qwen3-MoE may keep some layers dense: `mlp_only_layers`,
+    and `decoder_sparse_step`)."""
+    if num_experts_of(config) == 0:
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts by softmax probability (in float32, as transformers computes them):
+    (their weights [T, k] float32, renormalised to sum to one where the model asks; their ids [T, k] int32)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe_math(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * MLP_e(x[t]) for e = topk_ids[t, j], where MLP_e(x) = (silu(x G_e^T) * x U_e^T)
+    D_e^T with w13[e] = [G_e; U_e] and w2[e] = D_e. Each expert's matmuls and activation round to x's dtype, as
+    transformers' do; the weighted sum is float32, rounded once. Plain PyTorch (one pass per expert in use, whose
+    token lists are data-dependent): the CPU path, and the reference of the fused kernel (kernels/moe.py)."""
+    intermediate = w2.shape[2]
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in topk_ids.unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = x[token] @ w13[expert].t()
+        hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        out.index_add_(0, token, (hidden @ w2[expert].t()).float() * topk_weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe_math`, as our Triton kernels on a GPU (no host synchronisation: CUDA graphs capture it)."""
+    if _kernel_device(x):
+        from nanoinfer.kernels import moe as kernel  # triton: GPU (or interpreter) only
+
+        if kernel.supports(x, w13, w2):
+            return kernel.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_math(x, w13, w2, topk_weights, topk_ids)
+
+
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Where the kernels run (tests widen this to the CPU interpreter). Unlike the small fused pieces (`use_kernels`)
+    they run with enforce_eager too: the PyTorch math waits on the host for each expert's token list."""
+    return x.is_cuda
+
+
+class Router(nn.Module):
+    """The replicated gate: router logits [T, E] = x W^T, in the model's dtype (as transformers computes them)."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """Every expert's gate/up and down weights, this rank's slice of each (`w13_weight`, `w2_weight`).
+
+    A checkpoint stores one tensor per expert and projection (`experts.<e>.gate_proj.weight`, or Mixtral's
+    `w1` / `w3` / `w2`): each parameter lists the checkpoint names it is made of (`checkpoint_names`, read by the
+    loader) with the shard id `weight_loader` receives, (expert, 0 gate | 1 up | None down)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 projection_names: tuple[str, str, str]) -> None:
+        """projection_names: the checkpoint's (gate, up, down) names inside each expert."""
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
+        self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, "the experts' intermediate size")
+        size = self.intermediate_size_per_partition
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        gate, up, down = projection_names
+        self.w13_weight.checkpoint_names = {
+            f"{e}.{name}.weight": (e, half) for e in range(num_experts) for half, name in ((0, gate), (1, up))}
+        self.w2_weight.checkpoint_names = {f"{e}.{down}.weight": (e, None) for e in range(num_experts)}
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
+        """One expert's gate or up rows (this rank's slice of them), or its down columns."""
+        expert, half = shard_id
+        if param is self.w13_weight:
+            size = self.intermediate_size_per_partition
+            copy_weight(param.data[expert].narrow(0, half * size, size),
+                        shard_of(loaded_weight, 0, self.tp_rank, self.tp_size))
+        else:
+            copy_weight(param.data[expert], shard_of(loaded_weight, 1, self.tp_rank, self.tp_size))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of each token's weighted expert sum [T, H] (the all-reduce adds the ranks' parts)."""
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """residual + MoE(RMSNorm(residual)): Qwen3-MoE's `mlp` and Mixtral's `block_sparse_moe`. Module names mirror
+    the checkpoints' (`gate`, `experts`)."""
+
+    def __init__(self, config: Any, all_reduce_slot: int) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for MoE experts; only 'silu'")
+        num_experts = num_experts_of(config)
+        self.top_k = config.num_experts_per_tok
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the number of experts "
+                             f"({num_experts})")
+        mixtral = config.model_type == "mixtral"
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE where `norm_topk_prob` says so.
+        self.renormalize = mixtral or bool(getattr(config, "norm_topk_prob", False))
+        intermediate = config.intermediate_size if mixtral else config.moe_intermediate_size
+        self.gate = Router(config.hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, config.hidden_size, intermediate,
+                                ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))
+        self.all_reduce_slot = all_reduce_slot
+
+    def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """The residual stream `hidden` plus the experts' output for its RMSNorm `norm` (the decoder layer's)."""
+        x = norm(hidden)
+        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
+        partial = self.experts(x, topk_weights, topk_ids)
+        if self.experts.tp_size == 1:
+            return hidden.add_(partial)
+        return reduce_partial(partial, hidden, self.all_reduce_slot)

@@ -1,0 +1,221 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral; layers/moe.py): greedy output equals Hugging Face transformers'
+token for token, with chunked prefill and under tensor parallelism; routing equals transformers' routers; the
+experts' math equals its per-token definition; dummy weights, LoRA on the attention projections, and every bad
+configuration (fp8, LoRA on experts, a tensor-parallel size that does not divide the experts, a missing expert
+weight) is a clear error. The fused kernel is tested against `fused_moe_math` in tests/test_moe_kernel.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from conftest import make_tiny_model
+from safetensors.torch import load_file, save_file
+from test_e2e import hf_greedy
+
+from nanoinfer import LLM, LoRARequest, SamplingParams
+from nanoinfer.layers.moe import FusedMoE, fused_moe_math, is_moe_layer, route
+from nanoinfer.loader.weights import get_hf_config, load_model
+
+NUM_TOKENS = 10
+PROMPTS = [[5, 9, 17, 3, 88, 120, 7], [200, 1, 2, 3], list(range(30, 70))]
+# Qwen3-MoE with a dense layer between sparse ones (`mlp_only_layers`) and renormalised top-k weights; Mixtral.
+ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True), "mixtral": {}}
+
+
+def greedy(n: int = NUM_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, dict]:
+    """Each tiny MoE model's folder and transformers' greedy tokens for PROMPTS."""
+    root = tmp_path_factory.mktemp("moe")
+    result = {}
+    for arch, overrides in ARCHS.items():
+        path = make_tiny_model(str(root / arch), arch, **overrides)
+        result[arch] = {"path": path, "expected": hf_greedy(path, PROMPTS, NUM_TOKENS)}
+    return result
+
+
+# ----- the parts -----
+
+
+def make_tiny_model_config(arch: str, **overrides) -> str:
+    """A tiny model's config.json alone (for dummy weights), written by transformers."""
+    import tempfile
+
+    import transformers
+
+    folder = tempfile.mkdtemp()
+    config_cls = {"qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+                  "qwen3": transformers.Qwen3Config}[arch]
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, head_dim=16)
+    if arch == "qwen3_moe":
+        base.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if arch == "mixtral":
+        base.update(num_local_experts=4, num_experts_per_tok=2)
+    config = config_cls(**{**base, **overrides})
+    config.architectures = [{"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                             "qwen3": "Qwen3ForCausalLM"}[arch]]
+    config.save_pretrained(folder)
+    return os.path.join(folder, "config.json")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_equals_the_transformers_router(arch, renormalize):
+    import transformers
+
+    if arch == "mixtral" and not renormalize:
+        pytest.skip("Mixtral always renormalises")
+    torch.manual_seed(0)
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(hidden_size=32, num_local_experts=8, num_experts_per_tok=2)
+        router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config)
+    else:
+        config = transformers.Qwen3MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=3,
+                                             norm_topk_prob=renormalize)
+        router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(config)
+    router.weight.data.normal_()
+    x = torch.randn(20, 32)
+    logits, expected_weights, expected_ids = router(x)
+    weights, ids = route(logits, config.num_experts_per_tok, renormalize)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), expected_ids)
+    torch.testing.assert_close(weights, expected_weights.float(), rtol=0, atol=0)
+
+
+def test_fused_moe_math_is_the_weighted_sum_of_each_tokens_experts():
+    """Written here per token and per chosen expert, in float64."""
+    torch.manual_seed(0)
+    T, H, I, E, k = 7, 12, 10, 5, 3
+    x, w13, w2 = torch.randn(T, H), torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    ids[:, 0] = 2  # every token shares an expert; expert 4 may get none
+    weights = torch.rand(T, k)
+    expected = torch.zeros(T, H, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            g, u = w13[e, :I].double() @ x[t].double(), w13[e, I:].double() @ x[t].double()
+            expected[t] += weights[t, j].double() * (w2[e].double() @ (F.silu(g) * u))
+    torch.testing.assert_close(fused_moe_math(x, w13, w2, weights, ids).double(), expected, rtol=1e-5, atol=1e-5)
+    assert fused_moe_math(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, H)
+
+
+def test_which_layers_are_sparse():
+    qwen = get_hf_config(make_tiny_model_config("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2,
+                                                mlp_only_layers=[3]))
+    assert [is_moe_layer(qwen, i) for i in range(6)] == [False, True, False, False, False, True]
+    dense = get_hf_config(make_tiny_model_config("qwen3"))
+    assert not any(is_moe_layer(dense, i) for i in range(2))
+
+
+def test_dummy_weights_fill_every_expert():
+    """Dummy weights come under the checkpoints' names (one tensor per expert, as transformers saves them)."""
+    hf_config = get_hf_config(make_tiny_model_config("qwen3_moe", mlp_only_layers=[1]))
+    model = load_model(None, hf_config, "dummy", torch.float32, torch.device("cpu"))
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, FusedMoE)
+    assert experts.w13_weight.shape == (8, 64, 64) and experts.w2_weight.shape == (8, 64, 32)
+    bound = (3.0 / 64) ** 0.5  # fan-in 64, as a 2-D checkpoint tensor's
+    assert 0.9 * bound < experts.w13_weight.abs().max() <= bound
+    assert all(experts.w13_weight[e].std() > 0.5 * bound for e in range(8))  # no expert left unfilled
+    assert not isinstance(model.model.layers[1].mlp, FusedMoE) and hasattr(model.model.layers[1].mlp, "gate_up_proj")
+    llm = LLM(str(make_tiny_model_config("mixtral")), load_format="dummy", device="cpu", num_kv_blocks=32)
+    assert len(llm.generate([PROMPTS[0]], greedy(4), use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+# ----- the engine -----
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_output_equals_transformers(moe_models, arch):
+    case = moe_models[arch]
+    llm = LLM(case["path"], block_size=4, device="cpu")
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
+
+
+def test_chunked_prefill_mixed_with_decodes_equals_transformers(moe_models):
+    """A budget of 8 tokens: prompts arrive in chunks beside other requests' decode tokens in one forward."""
+    case = moe_models["qwen3_moe"]
+    llm = LLM(case["path"], block_size=4, device="cpu", max_num_batched_tokens=8, max_num_seqs=3)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
+
+
+def test_tp2_equals_transformers(moe_models):
+    """Two gloo ranks: each holds every expert's half of the intermediate dimension; the router is replicated."""
+    case = moe_models["qwen3_moe"]
+    llm = LLM(case["path"], block_size=4, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
+    finally:
+        llm.close()
+    assert not dist.is_initialized()
+
+
+def test_lora_on_the_attention_projections_of_an_moe_model(moe_models, tmp_path):
+    """Adapters on q/v equal the merged model in transformers; an adapter on a sparse layer's MLP is refused."""
+    from test_lora import make_adapter, merge
+
+    case = moe_models["qwen3_moe"]
+    adapter = make_adapter(tmp_path / "qv", case["path"], seed=1, modules=("q_proj", "v_proj"))
+    expected = hf_greedy(merge(case["path"], adapter, tmp_path / "merged"), PROMPTS, NUM_TOKENS)
+    assert expected != case["expected"]
+    llm = LLM(case["path"], enable_lora=True, max_lora_rank=4, block_size=4, device="cpu")
+    outputs = llm.generate(PROMPTS, greedy(), lora_request=LoRARequest("qv", 1, adapter), use_tqdm=False)
+    assert token_ids(outputs) == expected
+    bad = make_adapter(tmp_path / "mlp", case["path"], seed=2, modules=("gate_proj",))
+    with pytest.raises(ValueError, match="layer 0's MLP, which is a mixture of experts here"):
+        llm.generate(PROMPTS[:1], greedy(), lora_request=LoRARequest("mlp", 2, bad), use_tqdm=False)
+    # (the engine goes on: the refused request harmed nothing)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
+
+
+# ----- bad input -----
+
+
+def test_fp8_is_refused_for_moe_models(moe_models, tmp_path):
+    with pytest.raises(ValueError, match="quantization='fp8', but fp8 weights are not supported for mixture-of-experts"):
+        LLM(moe_models["mixtral"]["path"], quantization="fp8", device="cpu")
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    config = json.loads(open(os.path.join(moe_models["mixtral"]["path"], "config.json")).read())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the checkpoint is fp8, but fp8 weights are not supported"):
+        LLM(str(folder), device="cpu")
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused(tmp_path):
+    path = make_tiny_model(str(tmp_path / "m"), "qwen3_moe", moe_intermediate_size=33)
+    with pytest.raises(ValueError, match="the experts' intermediate size=33 is not divisible by the tensor-parallel "
+                                         "size 2"):
+        LLM(path, device="cpu", tensor_parallel_size=2, num_kv_blocks=32)
+
+
+def test_a_missing_expert_weight_is_named(moe_models, tmp_path):
+    source = moe_models["qwen3_moe"]["path"]
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.5.up_proj.weight"]
+    (tmp_path / "m").mkdir()
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    (tmp_path / "m" / "config.json").write_text(open(os.path.join(source, "config.json")).read())
+    with pytest.raises(ValueError, match=r"missing weights \['model.layers.2.mlp.experts.5.up_proj.weight'\]"):
+        LLM(str(tmp_path / "m"), device="cpu")
+
+
+def test_more_experts_per_token_than_experts_is_refused():
+    with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
+        LLM(make_tiny_model_config("qwen3_moe", num_experts_per_tok=9), load_format="dummy", device="cpu")

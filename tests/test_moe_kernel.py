@@ -1,0 +1,279 @@
+"""The fused MoE Triton kernel (kernels/moe.py) against the PyTorch math it replaces (layers/moe.py's
+`fused_moe_math`), its routing layout (`moe_align`), its launch heuristic and its input checks.
+
+Kernel launches (`moe_align`'s too) run in Triton's interpreter on CPU, in a child pytest (tests/triton_child.py);
+the heuristic and the input checks also run in the parent. One GPU-only test captures the whole call in a CUDA
+graph at Qwen3-30B-A3B's shape and replays it with new routings.
+
+Tolerances, against `fused_moe_math` on the same (rounded) inputs: the math rounds gate/up, silu(gate) and each
+expert's output to x's dtype where the kernel keeps float32 (both round silu(gate) * up, the intermediate), so
+16-bit results differ by a few ulp of the intermediate and output.
+Measured over random inputs: ||out - ref|| / ||ref|| <= 3e-7 (fp32), 7e-4 (fp16), 6e-3 (bf16; the interpreter
+truncates to bf16 where the GPU rounds), and the kernel is the closer of the two to a float64 reference. Bounds
+(REL_TOL, and elementwise ELEM_TOL relative to the output's scale) leave a few times headroom; a wrong row,
+expert, column tile or routing weight is off by O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_child import interpreter_child, kernel_test
+
+from nanoinfer.kernels import moe as km
+from nanoinfer.layers import moe as layer
+from nanoinfer.layers.moe import fused_moe_math
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+ELEM_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+test_cpu_interpreter_child = interpreter_child(__file__)
+
+
+def make_experts(T: int, H: int, I: int, E: int, dtype: torch.dtype, seed: int = 0):
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], scaled so every stage is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(DEVICE, dtype)
+    return x, w13, w2
+
+
+def make_routing(T: int, E: int, k: int, seed: int = 0):
+    """Each token's top-k of random router logits: (weights [T, k] float32, ids [T, k] int32), no repeats."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return layer.route(torch.randn(T, E, generator=g).to(DEVICE), k, renormalize=False)
+
+
+def check_kernel(x, w13, w2, weights, ids) -> None:
+    out = km.fused_moe(x, w13, w2, weights, ids)
+    ref = fused_moe_math(x, w13, w2, weights, ids)
+    assert out.shape == ref.shape and out.dtype == x.dtype and out.device == x.device
+    dtype = x.dtype
+    out64, ref64 = out.double(), ref.double()
+    assert torch.isfinite(out64).all()
+    assert ((out64 - ref64).norm() / ref64.norm()).item() < REL_TOL[dtype]
+    elem = ELEM_TOL[dtype]
+    torch.testing.assert_close(out64, ref64, rtol=elem, atol=elem * ref64.abs().max().item())
+
+
+# ----- the kernel (interpreter child on CPU) -----
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 40, 24, 4, 1), (3, 40, 24, 8, 2), (17, 96, 48, 8, 4), (64, 40, 24, 4, 2)])
+def test_kernel_matches_math(dtype, T, H, I, E, k) -> None:
+    """H = 40 / 96 and I = 24 / 48 are no multiples of the tiles (masked N and K edges). T = 17, k = 4 gives
+    12 row blocks (a partial group of 8); T = 64, k = 2 over 4 experts gives 32-row blocks (prefill's tiles)."""
+    x, w13, w2 = make_experts(T, H, I, E, dtype, seed=T)
+    weights, ids = make_routing(T, E, k, seed=T)
+    check_kernel(x, w13, w2, weights, ids)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_without_tokens_and_one_expert_for_all(dtype) -> None:
+    """Routings the softmax rarely draws: experts 4..7 of 8 get nothing; every token's first choice is expert
+    5 (one expert over several 16-row blocks, 33 rows: a partial last block); int64 ids."""
+    x, w13, w2 = make_experts(33, 40, 24, 8, dtype, seed=1)
+    g = torch.Generator().manual_seed(1)
+    weights = torch.rand(33, 2, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(33)]).to(DEVICE)  # experts 0..3 only
+    check_kernel(x, w13, w2, weights, ids)
+    ids[:, 0] = 5
+    check_kernel(x, w13, w2, weights, ids.to(torch.int32))
+    check_kernel(x[:16], w13, w2, weights[:16, :1], ids[:16, :1].to(torch.int32))  # k = 1, all on expert 5
+
+
+@kernel_test
+def test_block_sizes_and_determinism(monkeypatch) -> None:
+    """Forced 32- and 64-row blocks (prefill's tiles at a decode-sized batch: mostly padding rows) give the same
+    result as 16-row ones, and a repeated call gives the same bits."""
+    x, w13, w2 = make_experts(17, 40, 24, 8, torch.float32, seed=2)
+    weights, ids = make_routing(17, 8, 2, seed=2)
+    ref = fused_moe_math(x, w13, w2, weights, ids)
+    first = km.fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(first, km.fused_moe(x, w13, w2, weights, ids))
+    for block_m in (32, 64):
+        monkeypatch.setattr(km, "choose_block_m", lambda num_entries, num_experts, block_m=block_m: block_m)
+        torch.testing.assert_close(km.fused_moe(x, w13, w2, weights, ids), ref, rtol=1e-5, atol=1e-5)
+
+
+@kernel_test
+def test_layer_dispatches_to_kernel(monkeypatch) -> None:
+    """layers/moe.py's `fused_moe` runs the kernel where `_kernel_device` says so, and the math elsewhere."""
+    x, w13, w2 = make_experts(5, 40, 24, 4, torch.float32, seed=3)
+    weights, ids = make_routing(5, 4, 2, seed=3)
+    calls = []
+    real = km.fused_moe
+    monkeypatch.setattr(km, "fused_moe", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(layer, "_kernel_device", lambda x: True)
+    torch.testing.assert_close(layer.fused_moe(x, w13, w2, weights, ids), fused_moe_math(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+    assert calls == [(5, 40)]
+    layer.fused_moe(x.double(), w13.double(), w2.double(), weights, ids)  # unsupported dtype: the math
+    assert calls == [(5, 40)]
+
+
+# ----- the routing layout (interpreter child on CPU) -----
+
+
+def check_align(ids: torch.Tensor, E: int, block_m: int) -> None:
+    """Every entry once, in order within its expert; padding entries = T * k; each used block's entries
+    belong to its expert; the used length is each expert's count rounded up to block_m, summed."""
+    sorted_ids, block_expert, num_padded = km.moe_align(ids, E, block_m)
+    n = ids.numel()
+    size = km.padded_size(n, E, block_m)
+    assert sorted_ids.shape == (size,) and block_expert.shape == (size // block_m,) and num_padded.shape == (1,)
+    assert sorted_ids.dtype == block_expert.dtype == num_padded.dtype == torch.int32
+    flat, sorted_ids, block_expert = ids.reshape(-1).long().cpu(), sorted_ids.long().cpu(), block_expert.long().cpu()
+    counts = torch.bincount(flat, minlength=E)
+    used = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert int(num_padded) == used <= size
+    assert (sorted_ids[used:] == n).all()
+    real = sorted_ids[sorted_ids < n]
+    assert torch.equal(real.sort().values, torch.arange(n)) and (sorted_ids <= n).all()
+    for b in range(used // block_m):
+        block = sorted_ids[b * block_m:(b + 1) * block_m]
+        entries = block[block < n]
+        assert len(entries) > 0 and (flat[entries] == block_expert[b]).all()
+        assert (block[len(entries):] == n).all()  # padding at the end of the expert's run
+    for e in range(E):
+        mine = real[flat[real] == e]
+        assert torch.equal(mine, (flat == e).nonzero().flatten())  # stable: token order kept
+
+
+@kernel_test
+@pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 4, 16), (3, 2, 8, 16), (17, 4, 8, 16), (64, 2, 4, 16),
+                                           (64, 4, 8, 64), (40, 8, 128, 16), (200, 2, 8, 32), (5, 3, 200, 16)])
+def test_moe_align_random_routing(T, k, E, block_m) -> None:
+    """Random top-k routings, most with empty experts; 40 x 8 entries over 128 experts are 10 chunks of 32 (the
+    entries of earlier chunks count towards a chunk's positions); 200 experts pad to 256 (16-entry steps)."""
+    _, ids = make_routing(T, E, k, seed=T * E)
+    check_align(ids, E, block_m)
+
+
+@kernel_test
+@pytest.mark.parametrize("step,programs", [(16, 3), (16, 128)], ids=["multi_step_chunks", "one_step_chunks"])
+def test_moe_align_empty_and_crowded_experts(monkeypatch, step, programs) -> None:
+    """Experts with no entries at the start, middle and end; one expert taking every token; runs of exactly
+    block_m entries (no padding) and of block_m + 1; no entries. With 16-entry steps, in chunks (and slices of
+    the layout) of several steps or of one."""
+    monkeypatch.setattr(km, "_ALIGN_MAX_STEP", step)
+    monkeypatch.setattr(km, "_ALIGN_PROGRAMS", programs)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(3, generator=g)[:2] + 2 for _ in range(30)]).to(DEVICE)  # experts 2..4 of 8
+    check_align(ids, 8, 16)
+    check_align(torch.full((33, 1), 6, dtype=torch.int32, device=DEVICE), 8, 16)
+    check_align(torch.full((32, 1), 0, dtype=torch.int32, device=DEVICE), 4, 16)
+    check_align(torch.arange(64, device=DEVICE).reshape(32, 2) % 4, 4, 16)  # 16 entries per expert
+    sorted_ids, block_expert, num_padded = km.moe_align(torch.zeros(0, 2, dtype=torch.int32, device=DEVICE), 4, 16)
+    assert sorted_ids.numel() == block_expert.numel() == 0 and num_padded.tolist() == [0]
+
+
+# ----- heuristic, input checks (no launch: run in the parent too) -----
+
+
+def test_padded_size_bounds_any_routing() -> None:
+    """The static length covers the worst routing: every expert in use with one entry past a whole block."""
+    for n, E, block_m in ((8, 128, 16), (17, 8, 16), (2048, 128, 16), (65536, 128, 64), (1, 4, 64)):
+        worst = min(n, E) * (block_m - 1) + n
+        assert km.padded_size(n, E, block_m) >= worst and km.padded_size(n, E, block_m) % block_m == 0
+    assert km.padded_size(8, 128, 16) == 128  # decode at k = 8: 8 blocks, not 128 experts' worth
+
+
+def test_launch_heuristic() -> None:
+    """16-row blocks at decode (Qwen3-30B-A3B: 128 experts, k = 8, up to 256 tokens), 64 at prefill; tiles are
+    powers of two >= 16 (tl.dot) no larger than the problem needs."""
+    assert [km.choose_block_m(T * 8, 128) for T in (1, 64, 256, 512, 1024, 8192)] == [16, 16, 16, 32, 64, 64]
+    for block_m in (16, 32, 64):
+        for N, K, gated in ((768, 2048, True), (2048, 768, False), (24, 40, True), (40, 24, False), (1, 1, False)):
+            c = km.choose_config(block_m, N, K, gated)
+            for block in (c.block_n, c.block_k):
+                assert block >= 16 and block & (block - 1) == 0
+            assert c.block_n <= max(16, 2 * N) and c.block_k <= max(16, 2 * K)
+            assert c.num_warps in (2, 4, 8) and 2 <= c.num_stages <= 5
+
+
+def test_supports() -> None:
+    x, w13, w2 = make_experts(4, 40, 24, 4, torch.float32)
+    assert km.supports(x, w13, w2)
+    assert km.supports(x.half(), w13.half(), w2.half()) and km.supports(x.bfloat16(), w13.bfloat16(), w2.bfloat16())
+    assert km.supports(torch.randn(4, 48, device=DEVICE)[:, :40], w13, w2)  # strided rows
+    assert not km.supports(x.double(), w13.double(), w2.double())  # dtype
+    assert not km.supports(x, w13.half(), w2)  # mixed dtypes
+    assert not km.supports(x[None], w13, w2)  # 3-D x
+    assert not km.supports(x[:, :32], w13, w2)  # hidden size
+    assert not km.supports(x, w13[:, :47], w2)  # odd 2I
+    assert not km.supports(x, w13, w2[:, :, :20])  # I of w2 != half of w13's rows
+    assert not km.supports(x, w13, w2[:3])  # expert counts
+    assert not km.supports(x.t().contiguous().t(), w13, w2)  # no unit last stride
+    assert not km.supports(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2)
+
+
+def test_empty_batch_launches_nothing() -> None:
+    x, w13, w2 = make_experts(0, 40, 24, 4, torch.bfloat16)
+    weights, ids = make_routing(0, 4, 2)
+    out = km.fused_moe(x, w13, w2, weights, ids)
+    assert out.shape == (0, 40) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("what,match", [
+    ("x_dtype", "unsupported x"), ("w2_shape", "unsupported x"), ("weights_shape", r"topk_weights \(3, 3\)"),
+    ("ids_rows", r"topk_ids \(4, 2\)"), ("ids_1d", r"topk_ids \(3,\)"), ("k_above_e", "1 <= k <= E = 4"),
+    ("ids_float", "topk_ids must be int32/int64"),
+])
+def test_bad_inputs_raise(what, match) -> None:
+    x, w13, w2 = make_experts(3, 40, 24, 4, torch.float32)
+    weights, ids = make_routing(3, 4, 2)
+    if what == "x_dtype":
+        x = x.double()
+    elif what == "w2_shape":
+        w2 = w2[:, :, :12]
+    elif what == "weights_shape":
+        weights = torch.ones(3, 3, device=DEVICE)
+    elif what == "ids_rows":
+        ids = torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)
+    elif what == "ids_1d":
+        ids, weights = ids[:, 0], weights[:, 0]
+    elif what == "k_above_e":
+        ids, weights = torch.zeros(3, 5, dtype=torch.int32, device=DEVICE), torch.ones(3, 5, device=DEVICE)
+    elif what == "ids_float":
+        ids = ids.float()
+    with pytest.raises(ValueError, match=match):
+        km.fused_moe(x, w13, w2, weights, ids)
+
+
+# ----- GPU only -----
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replays_new_routings_at_qwen3_30b_a3b_shape() -> None:
+    """Qwen3-30B-A3B's experts (H = 2048, I = 768, E = 128, k = 8, bf16) at T = 8, captured once in a CUDA
+    graph (the routing layout included: no host synchronisation) and replayed with new inputs and routings
+    copied into the captured tensors; each replay matches the math."""
+    T, H, I, E, k = 8, 2048, 768, 128, 8
+    x, w13, w2 = make_experts(T, H, I, E, torch.bfloat16, seed=5)
+    weights, ids = make_routing(T, E, k, seed=5)
+    check_kernel(x, w13, w2, weights, ids)  # eager: compiles the kernels before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = km.fused_moe(x, w13, w2, weights, ids)
+    for seed in (6, 7, 8):
+        new_x, _, _ = make_experts(T, H, 1, 1, torch.bfloat16, seed=seed)
+        new_weights, new_ids = make_routing(T, E, k, seed=seed)
+        if seed == 8:  # every token to the same k experts
+            new_ids = torch.arange(3, 3 + k, dtype=torch.int32, device=DEVICE).repeat(T, 1)
+        x.copy_(new_x)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fused_moe_math(x, w13, w2, weights, ids)
+        assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < REL_TOL[torch.bfloat16]
+        torch.testing.assert_close(out.double(), ref.double(), rtol=ELEM_TOL[torch.bfloat16],
+                                   atol=ELEM_TOL[torch.bfloat16] * ref.double().abs().max().item())
