@@ -118,6 +118,68 @@ def test_layer_dispatches_to_kernel(monkeypatch) -> None:
     assert calls == [(5, 40)]
 
 
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_gets_the_sum_added_in_place(dtype) -> None:
+    """With `residual`, the last kernel adds the k rows and the residual row in float32 and rounds once."""
+    x, w13, w2 = make_experts(9, 40, 24, 8, dtype, seed=4)
+    weights, ids = make_routing(9, 8, 2, seed=4)
+    residual = torch.randn(9, 40, dtype=dtype, device=DEVICE)
+    expected = (residual.float() + fused_moe_math(x, w13, w2, weights, ids).float()).to(dtype)
+    out = km.fused_moe(x, w13, w2, weights, ids, residual=residual)
+    assert out is residual
+    torch.testing.assert_close(out.float(), expected.float(), rtol=ELEM_TOL[dtype], atol=ELEM_TOL[dtype] * 4)
+    with pytest.raises(ValueError, match="residual"):
+        km.fused_moe(x, w13, w2, weights, ids, residual=residual[:, :20])
+
+
+# ----- routing: softmax and top-k (interpreter child on CPU) -----
+
+
+@kernel_test
+@pytest.mark.parametrize("T,E,k", [(1, 4, 1), (7, 8, 2), (33, 60, 8), (5, 128, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_softmax_equals_route(T, E, k, renormalize, dtype) -> None:
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T * E + k)).to(dtype).to(DEVICE)
+    weights, ids = km.topk_softmax(logits, k, renormalize)
+    expected_weights, expected_ids = layer.route(logits, k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    if dtype == torch.float32:
+        assert torch.equal(ids, expected_ids)
+    else:  # bf16 logits tie: then any of the equal experts is right (torch.topk's choice among them is its own)
+        probs = torch.softmax(logits.float(), dim=-1)
+        assert all(len(set(row)) == k for row in ids.tolist())  # k different experts per token
+        torch.testing.assert_close(probs.gather(1, ids.long()), probs.gather(1, expected_ids.long()), rtol=0, atol=0)
+
+
+@kernel_test
+def test_topk_softmax_ties_and_nan() -> None:
+    """Equal probabilities go first-index first (torch.topk's order on a CPU); a NaN row still names experts in
+    range, so the GEMMs never read outside the weights."""
+    weights, ids = km.topk_softmax(torch.zeros(2, 6, device=DEVICE), 3, False)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 6, device=DEVICE))
+    logits = torch.randn(3, 6, device=DEVICE)
+    logits[1, 2] = float("nan")
+    _, ids = km.topk_softmax(logits, 4, True)
+    assert ((ids >= 0) & (ids < 6)).all()
+    with pytest.raises(ValueError, match="1 <= top_k <= E"):
+        km.topk_softmax(logits, 7, True)
+
+
+@kernel_test
+def test_layer_selects_experts_with_the_kernel(monkeypatch) -> None:
+    logits = torch.randn(4, 8, device=DEVICE)
+    monkeypatch.setattr(layer, "_kernel_device", lambda x: True)
+    calls = []
+    real = km.topk_softmax
+    monkeypatch.setattr(km, "topk_softmax", lambda *a: calls.append(a[0].shape) or real(*a))
+    weights, ids = layer.select_experts(logits, 2, True)
+    assert calls == [(4, 8)] and torch.equal(ids, layer.route(logits, 2, True)[1])
+
+
 # ----- the routing layout (interpreter child on CPU) -----
 
 

@@ -166,15 +166,61 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @triton.jit
-def _sum_topk_kernel(buf_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_j buf[t * k + j] in float32, in slot order, rounded once to out's dtype."""
+def _sum_topk_kernel(buf_ptr, out_ptr, H, stride_out, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                     ADD_TO_OUT: tl.constexpr):
+    """out[t] = sum_j buf[t * k + j] in float32, in slot order (plus out[t] itself with ADD_TO_OUT: the residual
+    stream), rounded once to out's dtype."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         acc += tl.load(buf_ptr + (token * TOP_K + j) * H + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if ADD_TO_OUT:
+        acc += tl.load(out_ptr + token * stride_out + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                         E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's router: softmax over its E logits in float32, its TOP_K largest probabilities (the first of
+    equal ones first, as torch.topk on a CPU) and their experts, the probabilities renormalised to sum to one
+    where asked."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + token * stride_t + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
+    probs = tl.exp(logits - tl.max(logits, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    left = tl.where(experts < E, probs, -1.0)
+    slots = tl.arange(0, K_PAD)
+    weights = tl.zeros((K_PAD,), dtype=tl.float32)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.minimum(tl.argmax(left, axis=0), E - 1)  # (in range even for NaN logits)
+        weights = tl.where(slots == j, tl.max(left, axis=0), weights)
+        ids = tl.where(slots == j, best, ids)
+        left = tl.where(experts == best, -1.0, left)
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+
+
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers/moe.py's `route` as one kernel (its PyTorch math is six launches a layer): (weights [T, k]
+    float32, expert ids [T, k] int32)."""
+    T, E = router_logits.shape
+    if not 1 <= top_k <= E or router_logits.stride(1) != 1:
+        raise ValueError(f"topk_softmax kernel: router logits {tuple(router_logits.shape)} stride "
+                         f"{router_logits.stride()}, top_k {top_k}: need 1 <= top_k <= E and a unit last stride")
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
+    if T:
+        _topk_softmax_kernel[(T,)](router_logits, weights, ids, E, router_logits.stride(0), TOP_K=top_k,
+                                   K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+                                   RENORMALIZE=renormalize, num_warps=1)
+    return weights, ids
 
 
 # ----- launch heuristic -----
@@ -331,10 +377,11 @@ def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * (silu(x[t] G_e^T) * x[t] U_e^T) D_e^T for e = topk_ids[t, j] -> [T, H] in x's
     dtype, where w13[e] = [G_e; U_e] and w2[e] = D_e (`fused_moe_math`'s semantics). topk_ids must lie in
-    [0, E) (not checked: that would synchronise)."""
+    [0, E) (not checked: that would synchronise). With `residual` [T, H] (x's dtype): the sum is added to it in
+    place, in float32 and rounded once, and `residual` returned."""
     if not supports(x, w13, w2):
         raise ValueError(f"fused_moe kernel: unsupported x {tuple(x.shape)} {x.dtype} stride {x.stride()} on "
                          f"{x.device}, w13 {tuple(w13.shape)} {w13.dtype} stride {w13.stride()} on {w13.device}, "
@@ -352,8 +399,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if topk_ids.device != x.device or topk_weights.device != x.device:
         raise ValueError(f"fused_moe kernel: topk_ids on {topk_ids.device}, topk_weights on {topk_weights.device}, "
                          f"x on {x.device}")
+    if residual is not None and (residual.shape != (T, H) or residual.dtype != x.dtype or residual.stride(1) != 1
+                                 or residual.device != x.device):
+        raise ValueError(f"fused_moe kernel: residual {tuple(residual.shape)} {residual.dtype} stride "
+                         f"{residual.stride()} on {residual.device}: need [{T}, {H}] {x.dtype}, unit last stride")
     if T == 0:
-        return x.new_empty((0, H))
+        return x.new_empty((0, H)) if residual is None else residual
     top_k = topk_ids.shape[1]
     num_entries = T * top_k
     block_m = choose_block_m(num_entries, E)
@@ -363,7 +414,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _launch(x, w13, hidden, align, weights, top_k, block_m, gated=True)
     buf = torch.empty((num_entries, H), dtype=torch.float32, device=x.device)
     _launch(hidden, w2, buf, align, weights, 1, block_m, gated=False)
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device) if residual is None else residual
     block = min(_SUM_BLOCK, triton.next_power_of_2(H))
-    _sum_topk_kernel[(T, triton.cdiv(H, block))](buf, out, H, TOP_K=top_k, BLOCK=block, num_warps=4)
+    _sum_topk_kernel[(T, triton.cdiv(H, block))](buf, out, H, out.stride(0), TOP_K=top_k, BLOCK=block,
+                                                 ADD_TO_OUT=residual is not None, num_warps=4)
     return out

@@ -2,10 +2,12 @@
 the token's output is the routing-weighted sum of those experts' SiLU-gated MLPs.
 
 All experts' weights live in two stacked tensors, `w13` [E, 2 * I, H] (each expert's gate rows, then its up
-rows) and `w2` [E, H, I], so one kernel launch serves every expert (kernels/moe.py on a GPU; `fused_moe_math`
-elsewhere). Under tensor parallelism each rank holds every expert's slice of the intermediate dimension (the
-gate/up rows and the down columns, as a dense MLP is split): the ranks' partial outputs are summed with the
-residual stream by the same all-reduce as the dense MLP's (`reduce_partial`). The router is replicated.
+rows) and `w2` [E, H, I], so each of the block's two matmuls is one grouped-GEMM launch for every expert
+(kernels/moe.py on a GPU: with the gate's matmul, the routing, the sort by expert and the weighted sum, seven
+kernels a layer and no host synchronisation; `fused_moe_math` elsewhere). Under tensor parallelism each rank holds
+every expert's slice of the intermediate dimension (the gate/up rows and the down columns, as a dense MLP is
+split): the ranks' partial outputs are summed with the residual stream by the same all-reduce as the dense MLP's
+(`reduce_partial`). The router is replicated.
 
 Unlike the dense MLP's, this block's input RMSNorm is not folded into the projections after it: the router and
 the experts both read the normalised stream, which is computed once here (one kernel on a GPU).
@@ -64,15 +66,26 @@ def fused_moe_math(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return out.to(x.dtype)
 
 
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`, as one Triton kernel on a GPU."""
+    if _kernel_device(router_logits) and router_logits.stride(1) == 1:
+        from nanoinfer.kernels import moe as kernel  # triton: GPU (or interpreter) only
+
+        return kernel.topk_softmax(router_logits, top_k, renormalize)
+    return route(router_logits, top_k, renormalize)
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """`fused_moe_math`, as our Triton kernels on a GPU (no host synchronisation: CUDA graphs capture it)."""
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_moe_math`, as our Triton kernels on a GPU (no host synchronisation: CUDA graphs capture it). With
+    `residual`, the result is added to it in place (by the kernels' last one), and `residual` returned."""
     if _kernel_device(x):
         from nanoinfer.kernels import moe as kernel  # triton: GPU (or interpreter) only
 
         if kernel.supports(x, w13, w2):
-            return kernel.fused_moe(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_math(x, w13, w2, topk_weights, topk_ids)
+            return kernel.fused_moe(x, w13, w2, topk_weights, topk_ids, residual)
+    out = fused_moe_math(x, w13, w2, topk_weights, topk_ids)
+    return out if residual is None else residual.add_(out)
 
 
 def _kernel_device(x: torch.Tensor) -> bool:
@@ -125,9 +138,11 @@ class FusedMoE(nn.Module):
         else:
             copy_weight(param.data[expert], shard_of(loaded_weight, 1, self.tp_rank, self.tp_size))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's part of each token's weighted expert sum [T, H] (the all-reduce adds the ranks' parts)."""
-        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of each token's weighted expert sum [T, H] (the all-reduce adds the ranks' parts), or
+        with `residual` (one rank) the residual stream with the sum added in place."""
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, residual)
 
 
 class SparseMoeBlock(nn.Module):
@@ -155,8 +170,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The residual stream `hidden` plus the experts' output for its RMSNorm `norm` (the decoder layer's)."""
         x = norm(hidden)
-        topk_weights, topk_ids = route(self.gate(x), self.top_k, self.renormalize)
-        partial = self.experts(x, topk_weights, topk_ids)
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if self.experts.tp_size == 1:
-            return hidden.add_(partial)
-        return reduce_partial(partial, hidden, self.all_reduce_slot)
+            return self.experts(x, topk_weights, topk_ids, residual=hidden)
+        return reduce_partial(self.experts(x, topk_weights, topk_ids), hidden, self.all_reduce_slot)
