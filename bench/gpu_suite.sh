@@ -41,6 +41,8 @@ if [ "$what" = moe ]; then  # not part of "all" (a call of its own): mixture of 
   # full 30B-A3B shape's workload and single stream (dummy weights, 61 GB in bf16)
   run 400 gpu_moe_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/test_moe_kernel.py \
     tests/gpu/test_moe_gpu.py -v -s -p no:cacheprovider --timeout 300 --durations 5
+  run 150 moe_kernel python3 bench/moe_kernel.py --json "$OUT/moe_kernel.json"
+  grep -A10 "fused MoE, one" "$OUT/moe_kernel.log"
   run 300 moe_throughput python3 -X faulthandler bench/throughput.py --model nanoinfer/configs/qwen3-30b-a3b.json \
     --max-model-len 2048 --no-tqdm --step-stats --json-out "$OUT/results.jsonl" ${MOE_THROUGHPUT_ARGS:-}
   run 200 moe_latency python3 -X faulthandler bench/latency.py --model nanoinfer/configs/qwen3-30b-a3b.json \

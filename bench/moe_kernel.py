@@ -2,12 +2,14 @@
 of 768, hidden 2048, 8 per token, bf16), against transformers' experts module on the same weights (its loop over
 the experts in use, eager: the peer).
 
-Per batch size T: the routing (the gate's matmul, softmax, top-k) and `fused_moe`, timed from CUDA-graph replays
-rotating over enough layers' experts that no replay finds its weights in L2, as a decode step's layers do. Bytes
+Per batch size T: the routing (the gate's matmul, then softmax and top-k as the engine runs them:
+`select_experts`) and `fused_moe`, timed from CUDA-graph replays rotating over enough layers' experts that no
+replay finds its weights in L2, as a decode step's layers do. Bytes
 counted are those a call must read: the weights of every expert in use (the uniform random router uses nearly all
-of them from T ~ 64) plus the activations; TB/s = bytes / time, against a device copy's rate.
+of them from T ~ 64) plus the activations; TB/s = bytes / time, against a device-to-device copy's rate
+(bytes read + written, bench/kernels.py's measure).
 
-Usage: PYTHONPATH=. python bench/moe_kernel.py [--json PATH]
+Usage: PYTHONPATH=. python bench/moe_kernel.py [--json PATH]  (bench/gpu_suite.sh moe runs it)
 """
 
 from __future__ import annotations
@@ -21,27 +23,23 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from kernels import copy_bandwidth
+
 from nanoinfer.kernels.moe import fused_moe
 from nanoinfer.kernels.skinny_gemm import graph_seconds_per_call
-from nanoinfer.layers.moe import fused_moe_math, route
+from nanoinfer.layers.moe import fused_moe_math, select_experts
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, DTYPE = 2048, 768, 128, 8, torch.bfloat16
 BATCHES = (1, 8, 32, 64, 128, 256, 1024, 4096)
 LAYERS = 4  # 4 x 1.2 GB of experts: far over L2
 
 
-def copy_rate() -> float:
-    """Bytes read + written per second by a 1 GiB device-to-device copy."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / graph_seconds_per_call([lambda: dst.copy_(src)], replays=20)
-
-
 def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:
     x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
     gates = [gate for gate, _, _ in layers]
-    routed = [route(F.linear(x, gate), TOP_K, True) for gate in gates]
-    t_route = graph_seconds_per_call([lambda g=g: route(F.linear(x, g), TOP_K, True) for g in gates], replays=20)
+    routed = [select_experts(F.linear(x, gate), TOP_K, True) for gate in gates]
+    t_route = graph_seconds_per_call([lambda g=g: select_experts(F.linear(x, g), TOP_K, True) for g in gates],
+                                     replays=20)
     t_moe = graph_seconds_per_call(
         [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)], replays=20)
     used = torch.unique(routed[0][1]).numel()
@@ -66,7 +64,7 @@ def peer_seconds(T: int, layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor])
     gate, w13, w2 = layer
     experts.gate_up_proj, experts.down_proj = torch.nn.Parameter(w13), torch.nn.Parameter(w2)
     x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
-    weights, ids = route(F.linear(x, gate), TOP_K, True)
+    weights, ids = select_experts(F.linear(x, gate), TOP_K, True)
     with torch.no_grad():
         experts(x, ids.long(), weights.to(DTYPE))
         torch.cuda.synchronize()
@@ -82,7 +80,7 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_kernel.json"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    rate = copy_rate()
+    rate = copy_bandwidth()
     layers = [(torch.randn(EXPERTS, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5,
                torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5,
                torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=DTYPE) / INTERMEDIATE**0.5)
