@@ -241,9 +241,11 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 
 
 def _write_synthetic(path: str, arch: str, weights: dict[str, np.ndarray], head_dim: int, heads: int = HEADS,
-                     eos: int = 2) -> None:
+                     eos: int = 2, experts: int = 0) -> None:
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(LAYERS)
+    if experts:
+        writer.add_expert_count(experts)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
@@ -377,6 +379,10 @@ def test_gguf_metadata_that_cannot_make_a_model_is_a_clear_error(tmp_path):
     path = str(tmp_path / "headless.gguf")
     _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS, heads=0)
     with pytest.raises(ValueError, match="head_count must be a positive integer, got 0"):
+        convert_gguf(path, str(tmp_path / "out"))
+    path = str(tmp_path / "mixtral.gguf")  # llama.cpp writes Mixtral as "llama" with an expert count
+    _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS, experts=4)
+    with pytest.raises(ValueError, match=r"holds a mixture-of-experts model \(4 experts\), which nanoinfer loads only"):
         convert_gguf(path, str(tmp_path / "out"))
     path = str(tmp_path / "eos-outside.gguf")  # transformers' tokenizer conversion raises an IndexError on it
     _write_synthetic(path, "llama", _hf_weights("llama", HIDDEN // HEADS, True), HIDDEN // HEADS, eos=99999)

@@ -105,6 +105,10 @@ def _build_config(reader: gguf.GGUFReader, arch: str):
     def meta(key: str, default=_REQUIRED):
         return _field(reader, key.format(arch=arch), default)
 
+    if meta(gguf.Keys.LLM.EXPERT_COUNT, 0):  # (llama.cpp stores Mixtral as "llama" with stacked experts)
+        raise ValueError(f"GGUF file {reader.data.filename} holds a mixture-of-experts model "
+                         f"({meta(gguf.Keys.LLM.EXPERT_COUNT)} experts), which nanoinfer loads only from Hugging Face "
+                         f"safetensors folders")
     scaling = meta(gguf.Keys.Rope.SCALING_TYPE, "none")
     if scaling != "none":
         raise ValueError(f"GGUF rope scaling {scaling!r} of {reader.data.filename} is not supported")
