@@ -42,7 +42,7 @@ def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
                                      replays=20)
     t_moe = graph_seconds_per_call(
         [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)], replays=20)
-    used = torch.unique(routed[0][1]).numel()
+    used = torch.unique(routed[0][1]).numel()  # (layer 0's routing stands for the rotation's: the same T, uniform)
     nbytes = used * 3 * HIDDEN * INTERMEDIATE * 2 + T * HIDDEN * 2 * 2
     _, w13, w2 = layers[0]
     ours = fused_moe(x, w13, w2, *routed[0]).float()

@@ -183,6 +183,31 @@ def test_lora_on_the_attention_projections_of_an_moe_model(moe_models, tmp_path)
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
 
 
+def test_stacked_experts_as_transformers_5_saves_them_load_too(moe_models, tmp_path):
+    """transformers 5 keeps each layer's experts stacked ([E, 2I, H] gate then up rows, [E, H, I]) and saves them so
+    without its legacy names (`save_original_format=False`): our own layout, loaded at TP=1 and sliced at TP=2."""
+    from transformers import AutoModelForCausalLM
+
+    case = moe_models["qwen3_moe"]
+    folder = tmp_path / "stacked"
+    AutoModelForCausalLM.from_pretrained(case["path"]).save_pretrained(folder, save_original_format=False)
+    names = load_file(str(folder / "model.safetensors")).keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names and "model.layers.0.mlp.experts.0.up_proj.weight" not in names
+    with LLM(str(folder), block_size=4, device="cpu") as llm:
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
+    llm = LLM(str(folder), block_size=4, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
+    try:
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
+    finally:
+        llm.close()
+    # both layouts of one layer's experts: which to load is unknown
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.experts.3.gate_proj.weight"] = tensors["model.layers.0.mlp.experts.gate_up_proj"][3, :32].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"holds model.layers.0.mlp.experts.w13_weight twice, in two layouts"):
+        LLM(str(folder), device="cpu")
+
+
 # ----- bad input -----
 
 
@@ -214,6 +239,22 @@ def test_a_missing_expert_weight_is_named(moe_models, tmp_path):
     (tmp_path / "m" / "config.json").write_text(open(os.path.join(source, "config.json")).read())
     with pytest.raises(ValueError, match=r"missing weights \['model.layers.2.mlp.experts.5.up_proj.weight'\]"):
         LLM(str(tmp_path / "m"), device="cpu")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("moe_intermediate_size", 0, "moe_intermediate_size must be a positive integer, got 0"),
+    ("num_experts", -1, "num_experts must be a non-negative integer, got -1"),
+    ("decoder_sparse_step", 0, "decoder_sparse_step must be a positive integer, got 0"),
+    ("num_experts_per_tok", 0, "num_experts_per_tok must be a positive integer, got 0"),
+])
+def test_bad_moe_config_values_are_named(tmp_path, field, value, message):
+    config = json.loads(open(make_tiny_model_config("qwen3_moe")).read())
+    config.pop("num_local_experts", None)  # (transformers 5 saves Qwen3-MoE's num_experts under this name)
+    config.setdefault("num_experts", 8)
+    config[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path / "config.json"), load_format="dummy", device="cpu")
 
 
 def test_more_experts_per_token_than_experts_is_refused():

@@ -155,18 +155,27 @@ def test_topk_softmax_equals_route(T, E, k, renormalize, dtype) -> None:
 
 
 @kernel_test
-def test_topk_softmax_ties_and_nan() -> None:
-    """Equal probabilities go first-index first (torch.topk's order on a CPU); a NaN row still names experts in
-    range, so the GEMMs never read outside the weights."""
-    weights, ids = km.topk_softmax(torch.zeros(2, 6, device=DEVICE), 3, False)
-    assert ids.tolist() == [[0, 1, 2]] * 2
-    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 6, device=DEVICE))
-    logits = torch.randn(3, 6, device=DEVICE)
+@pytest.mark.parametrize("E", [6, 8, 128])
+def test_topk_softmax_ties_and_nan(E) -> None:
+    """Equal probabilities go lowest-numbered expert first, in the kernel and in `route` alike (torch.topk's order
+    among ties is its own, and differs between devices); a row with a NaN or inf logit gets NaN weights and still
+    names experts in range, so the GEMMs never read outside the weights; the other rows are untouched."""
+    ties = torch.zeros(2, E, device=DEVICE)
+    ties[1, E // 2:] = 1.0  # the upper half ties for first place
+    weights, ids = km.topk_softmax(ties, 3, False)
+    expected_weights, expected_ids = layer.route(ties, 3, False)
+    assert ids.tolist() == expected_ids.tolist() == [[0, 1, 2], [E // 2, E // 2 + 1, E // 2 + 2]]
+    torch.testing.assert_close(weights, expected_weights)
+    logits = torch.randn(4, E, generator=torch.Generator().manual_seed(E)).to(DEVICE)
     logits[1, 2] = float("nan")
-    _, ids = km.topk_softmax(logits, 4, True)
-    assert ((ids >= 0) & (ids < 6)).all()
+    logits[2, 0] = float("inf")
+    weights, ids = km.topk_softmax(logits, 4, True)
+    assert ((ids >= 0) & (ids < E)).all() and weights[1:3].isnan().all()
+    expected_weights, expected_ids = layer.route(logits[[0, 3]], 4, True)
+    assert torch.equal(ids[[0, 3]], expected_ids)
+    torch.testing.assert_close(weights[[0, 3]], expected_weights)
     with pytest.raises(ValueError, match="1 <= top_k <= E"):
-        km.topk_softmax(logits, 7, True)
+        km.topk_softmax(logits, E + 1, True)
 
 
 @kernel_test

@@ -184,23 +184,24 @@ def _sum_topk_kernel(buf_ptr, out_ptr, H, stride_out, TOP_K: tl.constexpr, BLOCK
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                          E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """One token's router: softmax over its E logits in float32, its TOP_K largest probabilities (the first of
-    equal ones first, as torch.topk on a CPU) and their experts, the probabilities renormalised to sum to one
-    where asked."""
+    """One token's router: softmax over its E logits in float32, its TOP_K largest probabilities (the
+    lowest-numbered of equal ones first, as layers/moe.py's `route`) and their experts, the probabilities
+    renormalised to sum to one where asked. A row with a NaN or inf logit gets NaN weights (its output is not
+    finite, as with the PyTorch math) and experts in range (so the GEMMs read only real weights)."""
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + token * stride_t + experts, mask=experts < E, other=-float("inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
-    left = tl.where(experts < E, probs, -1.0)
+    left = tl.where((experts < E) & (probs == probs), probs, -1.0)  # what may still be picked (NaN: last)
     slots = tl.arange(0, K_PAD)
     weights = tl.zeros((K_PAD,), dtype=tl.float32)
     ids = tl.zeros((K_PAD,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.minimum(tl.argmax(left, axis=0), E - 1)  # (in range even for NaN logits)
-        weights = tl.where(slots == j, tl.max(left, axis=0), weights)
+        best = tl.argmax(left, axis=0)
+        weights = tl.where(slots == j, tl.sum(tl.where(experts == best, probs, 0.0), axis=0), weights)
         ids = tl.where(slots == j, best, ids)
-        left = tl.where(experts == best, -1.0, left)
+        left = tl.where(experts == best, -2.0, left)
     if RENORMALIZE:
         weights = weights / tl.sum(weights, axis=0)
     tl.store(weights_ptr + token * TOP_K + slots, weights, mask=slots < TOP_K)

@@ -64,7 +64,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim. The decoder's norms on the residual stream hold only their weight
     (folded into the next matmul's at load time) and eps: the kernel after that matmul applies the rest
-    (`DeferredNorm`). Run as a module: the final norm, and Qwen3's per-head query and key norms."""
+    (`DeferredNorm`). Run as a module: the final norm, an MoE block's input norm (layers/moe.py), and Qwen3's
+    per-head query and key norms."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

@@ -3,11 +3,11 @@ the token's output is the routing-weighted sum of those experts' SiLU-gated MLPs
 
 All experts' weights live in two stacked tensors, `w13` [E, 2 * I, H] (each expert's gate rows, then its up
 rows) and `w2` [E, H, I], so each of the block's two matmuls is one grouped-GEMM launch for every expert
-(kernels/moe.py on a GPU: with the gate's matmul, the routing, the sort by expert and the weighted sum, seven
-kernels a layer and no host synchronisation; `fused_moe_math` elsewhere). Under tensor parallelism each rank holds
-every expert's slice of the intermediate dimension (the gate/up rows and the down columns, as a dense MLP is
-split): the ranks' partial outputs are summed with the residual stream by the same all-reduce as the dense MLP's
-(`reduce_partial`). The router is replicated.
+(kernels/moe.py on a GPU: with the input norm, the gate's matmul, the routing, the sort by expert (two) and the
+weighted sum, eight kernels a layer and no host synchronisation; `fused_moe_math` elsewhere). Under tensor
+parallelism each rank holds every expert's slice of the intermediate dimension (the gate/up rows and the down
+columns, as a dense MLP is split): the ranks' partial outputs are summed with the residual stream by the same
+all-reduce as the dense MLP's (`reduce_partial`). The router is replicated.
 
 Unlike the dense MLP's, this block's input RMSNorm is not folded into the projections after it: the router and
 the experts both read the normalised stream, which is computed once here (one kernel on a GPU).
@@ -42,9 +42,13 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top-k experts by softmax probability (in float32, as transformers computes them):
-    (their weights [T, k] float32, renormalised to sum to one where the model asks; their ids [T, k] int32)."""
+    (their weights [T, k] float32, renormalised to sum to one where the model asks; their ids [T, k] int32).
+    Of equal probabilities the lowest-numbered expert comes first, as in the routing kernel, so the CPU and the
+    GPU pick the same experts (bf16 logits tie often: two of 128 experts share the 8th place for ~6% of tokens;
+    torch.topk's own order among ties differs between devices)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)
@@ -109,8 +113,10 @@ class FusedMoE(nn.Module):
     """Every expert's gate/up and down weights, this rank's slice of each (`w13_weight`, `w2_weight`).
 
     A checkpoint stores one tensor per expert and projection (`experts.<e>.gate_proj.weight`, or Mixtral's
-    `w1` / `w3` / `w2`): each parameter lists the checkpoint names it is made of (`checkpoint_names`, read by the
-    loader) with the shard id `weight_loader` receives, (expert, 0 gate | 1 up | None down)."""
+    `w1` / `w3` / `w2`), or, saved by transformers 5 without its legacy names, the stacked `experts.gate_up_proj`
+    [E, 2I, H] and `experts.down_proj` [E, H, I], our own layout. Each parameter lists both namings
+    (`checkpoint_names`, read by the loader), each name with the shard id `weight_loader` receives: (expert,
+    0 gate | 1 up | None down), or "stacked"."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  projection_names: tuple[str, str, str]) -> None:
@@ -122,17 +128,30 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
         gate, up, down = projection_names
-        self.w13_weight.checkpoint_names = {
-            f"{e}.{name}.weight": (e, half) for e in range(num_experts) for half, name in ((0, gate), (1, up))}
-        self.w2_weight.checkpoint_names = {f"{e}.{down}.weight": (e, None) for e in range(num_experts)}
+        self.w13_weight.checkpoint_names = [
+            {f"{e}.{name}.weight": (e, half) for e in range(num_experts) for half, name in ((0, gate), (1, up))},
+            {"gate_up_proj": "stacked"}]
+        self.w2_weight.checkpoint_names = [{f"{e}.{down}.weight": (e, None) for e in range(num_experts)},
+                                           {"down_proj": "stacked"}]
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: tuple[int, int | None]) -> None:
-        """One expert's gate or up rows (this rank's slice of them), or its down columns."""
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      shard_id: tuple[int, int | None] | str) -> None:
+        """One expert's gate or up rows (this rank's slice of them) or its down columns; or all experts' at once
+        ("stacked": [E, 2I, H] gate rows then up rows, or [E, H, I])."""
+        size = self.intermediate_size_per_partition
+        if shard_id == "stacked":
+            if param is self.w13_weight:
+                if loaded_weight.dim() != 3 or loaded_weight.shape[1] % 2:
+                    raise ValueError(f"stacked gate/up experts must be [E, 2I, H], got {tuple(loaded_weight.shape)}")
+                for half, rows in enumerate(loaded_weight.chunk(2, dim=1)):
+                    copy_weight(param.data.narrow(1, half * size, size), shard_of(rows, 1, self.tp_rank, self.tp_size))
+            else:
+                copy_weight(param.data, shard_of(loaded_weight, 2, self.tp_rank, self.tp_size))
+            return
         expert, half = shard_id
         if param is self.w13_weight:
-            size = self.intermediate_size_per_partition
             copy_weight(param.data[expert].narrow(0, half * size, size),
                         shard_of(loaded_weight, 0, self.tp_rank, self.tp_size))
         else:

@@ -102,6 +102,7 @@ def _positive_int(hf_config, name: str, default=None) -> int:
 def check_model_config(hf_config) -> None:
     """The sizes every supported architecture reads, checked before anything is built from them (a zero or
     a mismatch would otherwise fail deep inside the model, or at the first step)."""
+    from nanoinfer.layers.moe import num_experts_of
     from nanoinfer.layers.rotary import get_rope_parameters
 
     for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
@@ -113,6 +114,16 @@ def check_model_config(hf_config) -> None:
                          f"num_attention_heads={num_heads}")
     if getattr(hf_config, "max_position_embeddings", None) is not None:
         _positive_int(hf_config, "max_position_embeddings")
+    for name in ("num_experts", "num_local_experts"):  # (0 or absent: a dense model)
+        value = getattr(hf_config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"the model's config.json: {name} must be a non-negative integer, got {value!r}")
+    if num_experts_of(hf_config):  # a mixture of experts (layers/moe.py)
+        for name in ("num_experts_per_tok", "decoder_sparse_step"):
+            if getattr(hf_config, name, None) is not None:
+                _positive_int(hf_config, name)
+        if hf_config.model_type != "mixtral":
+            _positive_int(hf_config, "moe_intermediate_size")
     for name, value in (("rope_theta", get_rope_parameters(hf_config).get("rope_theta")),
                         ("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None))):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):

@@ -90,18 +90,26 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, Any]]:
+def _checkpoint_targets(model: nn.Module, found: set[str] | None = None) -> dict[str, tuple[nn.Parameter, Any]]:
     """Checkpoint tensor name -> (our parameter, shard_id). A fused parameter such as
-    `...self_attn.qkv_proj.weight` is the target of `...q_proj.weight` (shard "q") etc.; a parameter
-    that lists its own `checkpoint_names` (relative to its module: the MoE experts' stacked weights)
-    is the target of those. A tied LM head shares the embedding parameter, so only the embedding is expected."""
+    `...self_attn.qkv_proj.weight` is the target of `...q_proj.weight` (shard "q") etc. A parameter that lists
+    its own `checkpoint_names` (alternative namings, each relative to its module: the MoE experts' one tensor per
+    expert, or transformers 5's stacked tensors) is the target of the naming the checkpoint's names `found` use
+    (the first where none does; every naming where `found` is None). A tied LM head shares the embedding
+    parameter, so only the embedding is expected."""
     packed = getattr(model, "packed_modules_mapping", {})
     targets: dict[str, tuple[nn.Parameter, Any]] = {}
     for name, param in model.named_parameters():
         module_path, _, leaf = name.rpartition(".")
-        own = getattr(param, "checkpoint_names", None)
-        if own is not None:
-            targets.update({f"{module_path}.{relative}": (param, shard_id) for relative, shard_id in own.items()})
+        namings = getattr(param, "checkpoint_names", None)
+        if namings is not None:
+            full = [{f"{module_path}.{relative}": shard_id for relative, shard_id in naming.items()}
+                    for naming in namings]
+            used = full if found is None else [naming for naming in full if naming.keys() & found] or full[:1]
+            if found is not None and len(used) > 1:
+                raise ValueError(f"the checkpoint holds {name} twice, in two layouts: "
+                                 f"{[min(naming) for naming in used]}")
+            targets.update({n: (param, shard_id) for naming in used for n, shard_id in naming.items()})
             continue
         parent, _, module_name = module_path.rpartition(".")
         prefix = f"{parent}." if parent else ""
@@ -134,14 +142,19 @@ def _match_names(model: nn.Module, found: set[str], source: str, optional: froze
                  ) -> dict[str, tuple[nn.Parameter, Any]]:
     """The load targets, once the checkpoint's names are known to be exactly the model's (`optional` ones may
     be missing)."""
-    targets = _checkpoint_targets(model)
+    targets = _checkpoint_targets(model, found)
     missing, unexpected = sorted(targets.keys() - found - optional), sorted(found - targets.keys())
     if missing or unexpected:
         raise ValueError(
             f"{source} does not match {type(model).__name__}: "
-            f"missing weights {missing}, unexpected weights {unexpected}"
+            f"missing weights {_some(missing)}, unexpected weights {_some(unexpected)}"
         )
     return targets
+
+
+def _some(names: list[str], shown: int = 20) -> str:
+    """The first `shown` names (an MoE model's experts alone are thousands)."""
+    return str(names) if len(names) <= shown else f"{names[:shown]} and {len(names) - shown} more"
 
 
 def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded: torch.Tensor) -> None:
@@ -277,11 +290,16 @@ def _checkpoint_shapes(hf_config: Any) -> dict[str, torch.Size]:
     model built on the meta device (no memory, no weights), under the names its checkpoints use
     (transformers stacks MoE experts in memory and saves one tensor per expert)."""
     from transformers import AutoModelForCausalLM
-    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(hf_config)
-    state = revert_weight_conversion(reference, reference.state_dict())
+    state = reference.state_dict()
+    try:  # transformers >= 5 keeps MoE experts stacked in memory; 4.x modules already bear the checkpoint names
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        pass
+    else:
+        state = revert_weight_conversion(reference, state)
     return {name: t.shape for name, t in state.items() if not _is_ignored(name, hf_config)}
 
 

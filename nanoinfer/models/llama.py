@@ -13,8 +13,10 @@ Tokens of all sequences arrive flattened (`[T]` ids and positions); attention
 finds the batch layout in the forward context set by the model runner.
 
 The decoder's norms run no kernel of their own: each is folded into the
-projection after it (an MoE block's input norm excepted: its router and experts share one norm kernel) (`fold_norms`, once the weights are loaded), and the
+projection after it (`fold_norms`, once the weights are loaded), and the
 row-parallel projections add into the residual stream (layers/linear.py).
+An MoE block's input norm is the exception: its router and experts share one
+norm kernel.
 Module names mirror the HF checkpoints so the loader maps names 1:1, except
 the fused projections listed in `packed_modules_mapping`.
 """
@@ -77,8 +79,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The residual stream `hidden` plus the MLP of its RMSNorm `norm` (whose weight gate_up holds)."""
-        gate_up, norm = self.gate_up_proj(hidden, norm.eps)
-        return self.down_proj(self.act_fn(gate_up, norm), residual=hidden)
+        gate_up, deferred = self.gate_up_proj(hidden, norm.eps)
+        return self.down_proj(self.act_fn(gate_up, deferred), residual=hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
