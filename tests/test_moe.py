@@ -1,8 +1,9 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral; layers/moe.py): greedy output equals Hugging Face transformers'
 token for token, with chunked prefill and under tensor parallelism; routing equals transformers' routers; the
 experts' math equals its per-token definition; dummy weights, LoRA on the attention projections, and every bad
-configuration (fp8, LoRA on experts, a tensor-parallel size that does not divide the experts, a missing expert
-weight) is a clear error. The fused kernel is tested against `fused_moe_math` in tests/test_moe_kernel.py."""
+configuration (LoRA on experts, a tensor-parallel size that does not divide the experts, a missing expert weight,
+bad MoE config values) is a clear error; fp8 experts (`quantization="fp8"`, or an fp8 checkpoint) equal transformers on the
+dequantized weights. The fused kernel is tested against `fused_moe_math` in tests/test_moe_kernel.py."""
 
 from __future__ import annotations
 
@@ -208,19 +209,85 @@ def test_stacked_experts_as_transformers_5_saves_them_load_too(moe_models, tmp_p
         LLM(str(folder), device="cpu")
 
 
+# ----- fp8 experts -----
+
+
+def dequantized_moe_reference(base: str, folder) -> str:
+    """`base` as an fp8 engine computes it, saved for transformers (written here from the definition): the
+    attention projections as tests/test_fp8.py's `dequantized_reference` makes them (q/k/v folded with the input
+    norm), every expert's gate, up and down rows quantize_rows(W) (an MoE block's norm is not folded), a dense
+    layer's MLP as in a dense model; the router stays as it is."""
+    from test_fp8 import quantize_rows
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            g = layer.input_layernorm.weight
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+                proj.weight.copy_(quantize_rows(proj.weight * g) / g)
+            attention.o_proj.weight.copy_(quantize_rows(attention.o_proj.weight))
+            if hasattr(mlp, "experts"):  # transformers 5 keeps them stacked: [E, 2I, H] and [E, H, I]
+                for w in (mlp.experts.gate_up_proj, mlp.experts.down_proj):
+                    w.copy_(quantize_rows(w.flatten(0, 1)).view(w.shape))
+            else:
+                g = layer.post_attention_layernorm.weight
+                for proj in (mlp.gate_proj, mlp.up_proj):
+                    proj.weight.copy_(quantize_rows(proj.weight * g) / g)
+                mlp.down_proj.weight.copy_(quantize_rows(mlp.down_proj.weight))
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def fp8_moe(moe_models, tmp_path_factory) -> dict:
+    """The Qwen3-MoE model with every weight perturbed (no norm all ones), and its dequantized reference's greedy
+    tokens."""
+    from test_lora import perturbed
+
+    root = tmp_path_factory.mktemp("fp8moe")
+    base = perturbed(moe_models["qwen3_moe"]["path"], root / "base")
+    return {"base": base, "expected": hf_greedy(dequantized_moe_reference(base, root / "deq"), PROMPTS, NUM_TOKENS)}
+
+
+def test_fp8_experts_equal_transformers_on_the_dequantized_weights(fp8_moe):
+    llm = LLM(fp8_moe["base"], quantization="fp8", block_size=4, device="cpu")
+    experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert len(experts) == 2 and all(m.w13_weight.dtype == m.w2_weight.dtype == torch.float8_e4m3fn
+                                     and m.w13_scale.shape == (8, 64) and m.w2_scale.shape == (8, 64) for m in experts)
+    assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == fp8_moe["expected"]
+
+
+def test_tp2_fp8_experts_equal_tp1(fp8_moe):
+    """A down row is split over the ranks; its scale is still the whole row's (an all-reduce max at load)."""
+    llm = LLM(fp8_moe["base"], quantization="fp8", block_size=4, device="cpu", tensor_parallel_size=2,
+              num_kv_blocks=64)
+    try:
+        assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == fp8_moe["expected"]
+    finally:
+        llm.close()
+
+
+def test_an_fp8_moe_checkpoint_loads_as_its_dequantized_weights(fp8_moe, tmp_path):
+    """Per-expert fp8 tensors with 16 x 32 block scales (as Qwen3-30B-A3B-FP8 ships them, at its own 128 x 128):
+    dequantized as read, then quantized per row, as an fp8 engine on the dequantized folder does."""
+    from test_fp8 import write_fp8_checkpoint
+
+    quantized, dequantized = write_fp8_checkpoint(fp8_moe["base"], tmp_path / "ckpt", "block")
+    assert "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv" in load_file(f"{quantized}/model.safetensors")
+    with LLM(quantized, block_size=4, device="cpu") as ours:
+        ours_experts = [m for m in ours.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+        with LLM(dequantized, quantization="fp8", block_size=4, device="cpu") as reference:
+            theirs = [m for m in reference.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
+            for a, b in zip(ours_experts, theirs):
+                assert a.w13_weight.dtype == torch.float8_e4m3fn
+                assert torch.equal(a.w13_weight.float(), b.w13_weight.float()) and torch.equal(a.w2_scale, b.w2_scale)
+            expected = token_ids(reference.generate(PROMPTS, greedy(), use_tqdm=False))
+        assert token_ids(ours.generate(PROMPTS, greedy(), use_tqdm=False)) == expected
+
+
 # ----- bad input -----
-
-
-def test_fp8_is_refused_for_moe_models(moe_models, tmp_path):
-    with pytest.raises(ValueError, match="quantization='fp8', but fp8 weights are not supported for mixture-of-experts"):
-        LLM(moe_models["mixtral"]["path"], quantization="fp8", device="cpu")
-    folder = tmp_path / "fp8"
-    folder.mkdir()
-    config = json.loads(open(os.path.join(moe_models["mixtral"]["path"], "config.json")).read())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="the checkpoint is fp8, but fp8 weights are not supported"):
-        LLM(str(folder), device="cpu")
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_experts_is_refused(tmp_path):

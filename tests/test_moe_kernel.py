@@ -47,9 +47,9 @@ def make_routing(T: int, E: int, k: int, seed: int = 0):
     return layer.route(torch.randn(T, E, generator=g).to(DEVICE), k, renormalize=False)
 
 
-def check_kernel(x, w13, w2, weights, ids) -> None:
-    out = km.fused_moe(x, w13, w2, weights, ids)
-    ref = fused_moe_math(x, w13, w2, weights, ids)
+def check_kernel(x, w13, w2, weights, ids, w13_scale=None, w2_scale=None) -> None:
+    out = km.fused_moe(x, w13, w2, weights, ids, None, w13_scale, w2_scale)
+    ref = fused_moe_math(x, w13, w2, weights, ids, w13_scale, w2_scale)
     assert out.shape == ref.shape and out.dtype == x.dtype and out.device == x.device
     dtype = x.dtype
     out64, ref64 = out.double(), ref.double()
@@ -116,6 +116,30 @@ def test_layer_dispatches_to_kernel(monkeypatch) -> None:
     assert calls == [(5, 40)]
     layer.fused_moe(x.double(), w13.double(), w2.double(), weights, ids)  # unsupported dtype: the math
     assert calls == [(5, 40)]
+
+
+def quantized_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """Each expert's rows to float8_e4m3fn with a float32 scale per row (`quantization="fp8"`'s scheme)."""
+    from nanoinfer.layers.fp8 import quantize_per_row
+
+    out = []
+    for w in (w13, w2):
+        q, scale = quantize_per_row(w.float().flatten(0, 1))
+        out += [q.view(w.shape), scale.view(w.shape[:2])]
+    return out
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,I,E,k", [(1, 40, 24, 4, 2), (17, 96, 48, 8, 4)])
+def test_fp8_weights_match_math(dtype, T, H, I, E, k) -> None:
+    """fp8 weights converted to x's dtype as loaded and scaled per row in the epilogue = the math on the dequantized
+    weights (`fused_moe_math` with the scales)."""
+    x, w13, w2 = make_experts(T, H, I, E, dtype, seed=5)
+    q13, s13, q2, s2 = quantized_experts(w13, w2)
+    weights, ids = make_routing(T, E, k, seed=5)
+    check_kernel(x, q13, q2, weights, ids, s13, s2)
+    assert km.supports(x, q13, q2, s13, s2) and not km.supports(x, q13, q2) and not km.supports(x, q13, q2, s13)
 
 
 @kernel_test

@@ -276,6 +276,7 @@ def _moe_gemm_kernel(
     block_expert_ptr,  # [P // BLOCK_M] int32
     num_padded_ptr,  # [1] int32: used length of sorted_ids
     weights_ptr,  # [T * k] float32 routing weights (weighted only)
+    scale_ptr,  # [E, N or 2N] float32 row scales of fp8 weights (HAS_SCALE only)
     N,
     K,
     num_entries,
@@ -284,9 +285,11 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
     ENTRIES_PER_ROW: tl.constexpr,  # k for x (entry // k is the token), 1 for the intermediate
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # fp8 weights: converted to A's dtype as loaded, their row scales in the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -323,6 +326,8 @@ def _moe_gemm_kernel(
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w_mask = mask_k[:, None] & mask_n[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if HAS_SCALE:
+            w = w.to(a.dtype)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -330,12 +335,19 @@ def _moe_gemm_kernel(
         acc = tl.dot(a, w, acc, input_precision="ieee")
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            if HAS_SCALE:
+                w_up = w_up.to(a.dtype)
             if UPCAST:
                 w_up = w_up.to(tl.float32)
             acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if HAS_SCALE:
+        scales = scale_ptr + expert * stride_se + offs_n
+        acc = acc * tl.load(scales, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scales + N, mask=mask_n, other=0.0)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
@@ -345,17 +357,21 @@ def _moe_gemm_kernel(
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-            weights: torch.Tensor, entries_per_row: int, block_m: int, gated: bool) -> None:
-    """One grouped GEMM: out[entry] = epilogue(A[entry // entries_per_row] @ W[expert of entry]^T)."""
+            weights: torch.Tensor, entries_per_row: int, block_m: int, gated: bool,
+            scale: torch.Tensor | None) -> None:
+    """One grouped GEMM: out[entry] = epilogue(A[entry // entries_per_row] @ W[expert of entry]^T), W times its
+    row scales `scale` where it is fp8."""
     sorted_ids, block_expert, num_padded = align
     N, K = out.shape[1], a.shape[1]
     config = choose_config(block_m, N, K, gated)
     num_row_blocks = block_expert.numel()
     grid = (num_row_blocks * triton.cdiv(N, config.block_n),)
     _moe_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, num_padded, weights, N, K, out.shape[0], num_row_blocks,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        a, w, out, sorted_ids, block_expert, num_padded, weights, weights if scale is None else scale, N, K,
+        out.shape[0], num_row_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        0 if scale is None else scale.stride(0),
+        ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, HAS_SCALE=scale is not None,
+        BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=_GROUP_M, UPCAST=INTERPRETER,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -364,30 +380,45 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[to
 # ----- entry points -----
 
 
-def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None = None,
+             w2_scale: torch.Tensor | None = None) -> bool:
     """Whether `fused_moe` takes these (else the caller runs the PyTorch math): x [T, H] with unit last stride,
-    w13 [E, 2I, H] and w2 [E, H, I] with unit last strides, one floating dtype the kernel handles, one device."""
+    w13 [E, 2I, H] and w2 [E, H, I] with unit last strides, one device, x in a floating dtype the kernel handles
+    and the weights in it too, or in float8_e4m3fn with float32 row scales [E, 2I] and [E, H] (both or neither)."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         return False
     E, two_i, H = w13.shape
-    return (x.dtype in SUPPORTED_DTYPES and w13.dtype == x.dtype and w2.dtype == x.dtype
-            and x.device == w13.device == w2.device
+    if (w13_scale is None) != (w2_scale is None):
+        return False
+    if w13_scale is None:
+        weights_fit = w13.dtype == x.dtype and w2.dtype == x.dtype
+    else:
+        weights_fit = (w13.dtype == w2.dtype == torch.float8_e4m3fn and w13_scale.dtype == w2_scale.dtype ==
+                       torch.float32 and tuple(w13_scale.shape) == (E, two_i) and tuple(w2_scale.shape) == (E, H)
+                       and w13_scale.stride(1) == 1 and w2_scale.stride(1) == 1
+                       and w13_scale.device == w2_scale.device == x.device)
+    return (x.dtype in SUPPORTED_DTYPES and weights_fit and x.device == w13.device == w2.device
             and E > 0 and H > 0 and two_i > 0 and two_i % 2 == 0 and x.shape[1] == H
             and tuple(w2.shape) == (E, H, two_i // 2)
             and x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * (silu(x[t] G_e^T) * x[t] U_e^T) D_e^T for e = topk_ids[t, j] -> [T, H] in x's
     dtype, where w13[e] = [G_e; U_e] and w2[e] = D_e (`fused_moe_math`'s semantics). topk_ids must lie in
     [0, E) (not checked: that would synchronise). With `residual` [T, H] (x's dtype): the sum is added to it in
-    place, in float32 and rounded once, and `residual` returned."""
-    if not supports(x, w13, w2):
+    place, in float32 and rounded once, and `residual` returned. fp8 weights (`w13_scale`, `w2_scale`: float32
+    row scales) are converted to x's dtype as they are loaded, and each product scaled by its row's scale in
+    float32 (weight-only fp8, as the skinny kernel's)."""
+    if not supports(x, w13, w2, w13_scale, w2_scale):
         raise ValueError(f"fused_moe kernel: unsupported x {tuple(x.shape)} {x.dtype} stride {x.stride()} on "
                          f"{x.device}, w13 {tuple(w13.shape)} {w13.dtype} stride {w13.stride()} on {w13.device}, "
-                         f"w2 {tuple(w2.shape)} {w2.dtype} stride {w2.stride()} on {w2.device}: need x [T, H], "
-                         f"w13 [E, 2I, H], w2 [E, H, I] of one dtype in {SUPPORTED_DTYPES}, unit last strides")
+                         f"w2 {tuple(w2.shape)} {w2.dtype} stride {w2.stride()} on {w2.device}, scales "
+                         f"{[None if t is None else (tuple(t.shape), t.dtype) for t in (w13_scale, w2_scale)]}: need "
+                         f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] of one dtype in {SUPPORTED_DTYPES} (or fp8 weights "
+                         f"with float32 scales [E, 2I], [E, H]), unit last strides")
     T, H = x.shape
     E, intermediate = w13.shape[0], w2.shape[2]
     if (topk_ids.dim() != 2 or topk_ids.shape[0] != T or not 1 <= topk_ids.shape[1] <= E
@@ -412,9 +443,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     align = moe_align(topk_ids, E, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     hidden = torch.empty((num_entries, intermediate), dtype=x.dtype, device=x.device)
-    _launch(x, w13, hidden, align, weights, top_k, block_m, gated=True)
+    _launch(x, w13, hidden, align, weights, top_k, block_m, gated=True, scale=w13_scale)
     buf = torch.empty((num_entries, H), dtype=torch.float32, device=x.device)
-    _launch(hidden, w2, buf, align, weights, 1, block_m, gated=False)
+    _launch(hidden, w2, buf, align, weights, 1, block_m, gated=False, scale=w2_scale)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device) if residual is None else residual
     block = min(_SUM_BLOCK, triton.next_power_of_2(H))
     _sum_topk_kernel[(T, triton.cdiv(H, block))](buf, out, H, out.stride(0), TOP_K=top_k, BLOCK=block,

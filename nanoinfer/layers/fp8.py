@@ -1,6 +1,7 @@
 """FP8 weights, as vLLM's `quantization="fp8"`: each decoder projection's weight is stored as float8_e4m3fn
-with one float32 scale per output row (its largest magnitude / 448), half the bytes of bf16. The embedding
-and the LM head stay in the model's dtype, as vLLM keeps them.
+with one float32 scale per output row (its largest magnitude / 448), half the bytes of bf16; so is every MoE
+expert's (layers/moe.py: its grouped GEMM converts them as it loads them, W8A16 at every size). The embedding,
+the LM head and an MoE router stay in the model's dtype, as vLLM keeps them.
 
 How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which every projection calls):
 
@@ -80,16 +81,10 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={requested!r} is not supported; choose one of {list(QUANTIZATION_METHODS)}")
     config = _quantization_config(hf_config)
-    if config is not None:
-        checkpoint_block_size(hf_config)  # (checks the method and its scheme)
-    method = requested if config is None else "fp8"
-    from nanoinfer.layers.moe import num_experts_of  # (layers/moe.py imports this module's users)
-
-    if method is not None and num_experts_of(hf_config):
-        raise ValueError(f"{'the checkpoint is fp8' if config is not None else 'quantization=' + repr(method)}, but fp8 "
-                         f"weights are not supported for mixture-of-experts models yet (their experts run in the "
-                         f"model's dtype): use an unquantized checkpoint without quantization")
-    return method
+    if config is None:
+        return requested
+    checkpoint_block_size(hf_config)  # (checks the method and its scheme)
+    return "fp8"
 
 
 def checkpoint_block_size(hf_config: Any) -> tuple[int, int] | None:
@@ -173,6 +168,24 @@ def row_amax(weight: torch.Tensor) -> torch.Tensor:
         rows = weight[start:start + _QUANTIZE_ROWS].float()
         amax[start:start + _QUANTIZE_ROWS] = rows.abs().amax(dim=1).masked_fill_(~torch.isfinite(rows).all(dim=1),
                                                                                    float("inf"))
+    return amax
+
+
+def full_row_amax(weight: torch.Tensor, rows_split: bool) -> torch.Tensor:
+    """Each row's largest magnitude over the whole row, as one rank would see it. `rows_split`: each tensor-parallel
+    rank holds a slice of every row (row-parallel weights), so the rows' amax is all-reduced (fp8 weights, and
+    outputs, then do not depend on the tensor-parallel size); else each rank holds whole rows, and the ranks only
+    agree whether any weight is not finite, so all of them refuse it (one alone would leave the others waiting in
+    the next collective)."""
+    from nanoinfer.distributed.parallel_state import tp_all_reduce_max, tp_world_size
+
+    amax = row_amax(weight)
+    if tp_world_size() == 1:
+        return amax
+    if rows_split:
+        return tp_all_reduce_max(amax)
+    if not torch.isfinite(tp_all_reduce_max(amax.max().reshape(1))).all():
+        amax.fill_(float("inf"))
     return amax
 
 

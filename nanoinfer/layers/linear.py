@@ -31,9 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoinfer.distributed.parallel_state import (fused_all_reduce, tp_all_reduce, tp_all_reduce_max, tp_rank,
-                                                  tp_world_size)
-from nanoinfer.layers.fp8 import quantize_per_row, row_amax, weight_device
+from nanoinfer.distributed.parallel_state import fused_all_reduce, tp_all_reduce, tp_rank, tp_world_size
+from nanoinfer.layers.fp8 import full_row_amax, quantize_per_row, weight_device
 from nanoinfer.layers.layernorm import DeferredNorm
 from nanoinfer.layers.skinny_dispatch import linear
 from nanoinfer.lora.layers import LoRASlots
@@ -78,6 +77,8 @@ class LinearBase(nn.Module):
     """Owns this rank's weight (and bias) shard; subclasses define how forward combines shards
     and how `weight_loader` cuts a checkpoint tensor."""
 
+    rows_split = False  # whether each tensor-parallel rank holds a slice of every weight row (row-parallel)
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         """Sizes are this rank's (already divided)."""
         super().__init__()
@@ -99,18 +100,10 @@ class LinearBase(nn.Module):
         if self.weight_scale is not None:
             raise RuntimeError(f"{type(self).__name__}: the weight is fp8 already")
         weight = self.weight.data.to(device)
-        q, scale = quantize_per_row(weight, self.full_row_amax(weight))
+        q, scale = quantize_per_row(weight, full_row_amax(weight, self.rows_split))
         self.weight = nn.Parameter(q, requires_grad=False)
         self.weight_scale = scale
 
-    def full_row_amax(self, weight: torch.Tensor) -> torch.Tensor:
-        """Each row's largest magnitude (this rank's `weight` holds whole rows). Under tensor parallelism the
-        ranks agree whether any weight is not finite, so all of them refuse it (one alone would leave the
-        others waiting in the next collective)."""
-        amax = row_amax(weight)
-        if self.tp_size > 1 and not torch.isfinite(tp_all_reduce_max(amax.max().reshape(1))).all():
-            amax.fill_(float("inf"))
-        return amax
 
 
 class ColumnParallelLinear(LinearBase):
@@ -191,6 +184,8 @@ class RowParallelLinear(LinearBase):
     already split (from a column-parallel layer), and the partial products are summed over ranks
     together with the residual stream (`reduce_partial` in `all_reduce_slot`)."""
 
+    rows_split = True  # (an fp8 row's scale is the whole row's: the same weights at every tensor-parallel size)
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, all_reduce_slot: int = 0) -> None:
         super().__init__(divide(input_size, tp_world_size(), "input_size"), output_size, bias)
         self.all_reduce_slot = all_reduce_slot
@@ -200,10 +195,6 @@ class RowParallelLinear(LinearBase):
             loaded_weight = shard_of(loaded_weight, 1, self.tp_rank, self.tp_size)
         copy_weight(param.data, loaded_weight)
 
-    def full_row_amax(self, weight: torch.Tensor) -> torch.Tensor:
-        """Each rank holds a slice of every row: the row's scale is the whole row's, as with one rank, so fp8
-        weights (and outputs) do not depend on the tensor-parallel size."""
-        return tp_all_reduce_max(row_amax(weight))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The residual stream with this layer's output added: in place on one GPU (the matmul's epilogue)."""

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoinfer.distributed.parallel_state import tp_rank, tp_world_size
+from nanoinfer.layers.fp8 import dequantized, full_row_amax, quantize_per_row, weight_device
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import copy_weight, divide, reduce_partial, shard_of
 
@@ -55,18 +56,21 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def fused_moe_math(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
+                   topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * MLP_e(x[t]) for e = topk_ids[t, j], where MLP_e(x) = (silu(x G_e^T) * x U_e^T)
-    D_e^T with w13[e] = [G_e; U_e] and w2[e] = D_e. Each expert's matmuls and activation round to x's dtype, as
-    transformers' do; the weighted sum is float32, rounded once. Plain PyTorch (one pass per expert in use, whose
-    token lists are data-dependent): the CPU path, and the reference of the fused kernel (kernels/moe.py)."""
+    D_e^T with w13[e] = [G_e; U_e] and w2[e] = D_e (fp8 weights: times their row scales, `w13_scale` [E, 2I] and
+    `w2_scale` [E, H]). Each expert's matmuls and activation round to x's dtype, as transformers' do; the weighted
+    sum is float32, rounded once. Plain PyTorch (one pass per expert in use, whose token lists are data-dependent):
+    the CPU path, and the reference of the fused kernel (kernels/moe.py)."""
     intermediate = w2.shape[2]
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for expert in topk_ids.unique().tolist():
         token, slot = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up = x[token] @ w13[expert].t()
+        gate_up = x[token] @ dequantized(w13[expert], None if w13_scale is None else w13_scale[expert], x.dtype).t()
         hidden = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        out.index_add_(0, token, (hidden @ w2[expert].t()).float() * topk_weights[token, slot, None])
+        down = hidden @ dequantized(w2[expert], None if w2_scale is None else w2_scale[expert], x.dtype).t()
+        out.index_add_(0, token, down.float() * topk_weights[token, slot, None])
     return out.to(x.dtype)
 
 
@@ -80,15 +84,16 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, residual: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """`fused_moe_math`, as our Triton kernels on a GPU (no host synchronisation: CUDA graphs capture it). With
     `residual`, the result is added to it in place (by the kernels' last one), and `residual` returned."""
     if _kernel_device(x):
         from nanoinfer.kernels import moe as kernel  # triton: GPU (or interpreter) only
 
-        if kernel.supports(x, w13, w2):
-            return kernel.fused_moe(x, w13, w2, topk_weights, topk_ids, residual)
-    out = fused_moe_math(x, w13, w2, topk_weights, topk_ids)
+        if kernel.supports(x, w13, w2, w13_scale, w2_scale):
+            return kernel.fused_moe(x, w13, w2, topk_weights, topk_ids, residual, w13_scale, w2_scale)
+    out = fused_moe_math(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return out if residual is None else residual.add_(out)
 
 
@@ -125,8 +130,13 @@ class FusedMoE(nn.Module):
         self.tp_rank, self.tp_size = tp_rank(), tp_world_size()
         self.intermediate_size_per_partition = divide(intermediate_size, self.tp_size, "the experts' intermediate size")
         size = self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        device = weight_device()  # (host memory for a model to quantize: `quantize_fp8`)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size, device=device),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size, device=device), requires_grad=False)
+        # fp8 weights: float32 scales per expert and output row, [E, 2I] and [E, H] (`quantize_fp8`).
+        self.register_buffer("w13_scale", None, persistent=False)
+        self.register_buffer("w2_scale", None, persistent=False)
         gate, up, down = projection_names
         self.w13_weight.checkpoint_names = [
             {f"{e}.{name}.weight": (e, half) for e in range(num_experts) for half, name in ((0, gate), (1, up))},
@@ -157,11 +167,25 @@ class FusedMoE(nn.Module):
         else:
             copy_weight(param.data[expert], shard_of(loaded_weight, 1, self.tp_rank, self.tp_size))
 
+    def quantize_fp8(self, device: torch.device) -> None:
+        """`quantization="fp8"`: each expert's weights, moved to `device` (from host memory: `weights_on_host`),
+        to float8_e4m3fn with one scale per output row, as the linear layers' (a down row's scale is the whole
+        row's under tensor parallelism)."""
+        if self.w13_scale is not None:
+            raise RuntimeError("FusedMoE: the experts are fp8 already")
+        for name, rows_split in (("w13", False), ("w2", True)):
+            weight = getattr(self, f"{name}_weight").data.to(device)
+            rows = weight.flatten(0, 1)
+            q, scale = quantize_per_row(rows, full_row_amax(rows, rows_split))
+            setattr(self, f"{name}_weight", nn.Parameter(q.view(weight.shape), requires_grad=False))
+            setattr(self, f"{name}_scale", scale.view(weight.shape[:2]))
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of each token's weighted expert sum [T, H] (the all-reduce adds the ranks' parts), or
         with `residual` (one rank) the residual stream with the sum added in place."""
-        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, residual)
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, residual, self.w13_scale,
+                         self.w2_scale)
 
 
 class SparseMoeBlock(nn.Module):

@@ -28,6 +28,7 @@ from torch import nn
 
 from nanoinfer.layers import fp8
 from nanoinfer.layers.linear import LinearBase, default_weight_loader
+from nanoinfer.layers.moe import FusedMoE
 from nanoinfer.models.registry import get_model_class
 
 logger = logging.getLogger("nanoinfer")
@@ -372,7 +373,7 @@ def load_model(
     model.process_weights_after_loading()
     if quantization == "fp8":
         for name, module in model.named_modules():
-            if isinstance(module, LinearBase):
+            if isinstance(module, (LinearBase, FusedMoE)):
                 try:
                     module.quantize_fp8(torch.device(device))
                 except ValueError as e:
