@@ -47,6 +47,10 @@ if [ "$what" = moe ]; then  # not part of "all" (a call of its own): mixture of 
     --max-model-len 2048 --no-tqdm --step-stats --json-out "$OUT/results.jsonl" ${MOE_THROUGHPUT_ARGS:-}
   run 200 moe_latency python3 -X faulthandler bench/latency.py --model nanoinfer/configs/qwen3-30b-a3b.json \
     --max-model-len 2048 --json-out "$OUT/results.jsonl"
+  run 200 moe_latency_fp8 python3 -X faulthandler bench/latency.py --model nanoinfer/configs/qwen3-30b-a3b.json \
+    --max-model-len 2048 --quantization fp8 --json-out "$OUT/results.jsonl"
+  run 300 moe_throughput_fp8 python3 -X faulthandler bench/throughput.py --model nanoinfer/configs/qwen3-30b-a3b.json \
+    --max-model-len 2048 --no-tqdm --step-stats --quantization fp8 --json-out "$OUT/results.jsonl"
 fi
 if [ "$what" = all ] || [ "$what" = serving ]; then
   serve_and_load serving "$PWD" 16 inf
