@@ -483,3 +483,15 @@ def test_tp2_refuses_a_weight_that_is_not_finite_on_every_rank(models, tmp_path)
         LLM(str(folder), device="cpu", quantization="fp8", tensor_parallel_size=2, num_kv_blocks=32)
     assert not dist.is_initialized()
 
+
+
+def test_fp8_weights_are_refused_on_gpus_without_fp8_conversions(monkeypatch):
+    """Our kernels convert fp8 as they load it, which Triton compiles only for compute capability 8.9+: an older GPU
+    is refused before anything is built (it would fail as the first kernel compiles)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or newer \(Ada, Hopper\); NVIDIA A100 is 8.0"):
+        fp8.check_fp8_device(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fp8.check_fp8_device(torch.device("cuda"))
+    fp8.check_fp8_device(torch.device("cpu"))

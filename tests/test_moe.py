@@ -327,3 +327,23 @@ def test_bad_moe_config_values_are_named(tmp_path, field, value, message):
 def test_more_experts_per_token_than_experts_is_refused():
     with pytest.raises(ValueError, match="num_experts_per_tok=9 must be between 1 and the number of experts"):
         LLM(make_tiny_model_config("qwen3_moe", num_experts_per_tok=9), load_format="dummy", device="cpu")
+
+
+def test_stacked_fp8_experts_are_refused_by_name(moe_models, tmp_path):
+    """transformers 5's stacked layout with fp8 experts (`experts.gate_up_proj` float8 beside
+    `gate_up_proj_scale_inv`): refused, saying how to save a checkpoint that loads."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "stacked"
+    AutoModelForCausalLM.from_pretrained(moe_models["qwen3_moe"]["path"]).save_pretrained(
+        folder, save_original_format=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[f"{name}_scale_inv"] = torch.ones(tensors[name].shape[0], 1, 1)
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 32]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="MoE experts stacked in fp8 .* save the checkpoint with one tensor per expert"):
+        LLM(str(folder), device="cpu")

@@ -21,7 +21,7 @@ import torch
 
 from nanoinfer.config import EngineConfig
 from nanoinfer.engine.input_processor import EngineLimits
-from nanoinfer.layers.fp8 import resolve_quantization
+from nanoinfer.layers.fp8 import check_fp8_device, resolve_quantization
 from nanoinfer.loader.resolve import ModelSource, resolve_model
 from nanoinfer.outputs import EngineCoreOutput
 from nanoinfer.request import Request, RequestStatus
@@ -143,7 +143,8 @@ class EngineCore:
         hf_config = self.source.hf_config
         self.max_model_len = self.source.max_model_len
         self.device, self.dtype = resolve_device_and_dtype(config, hf_config)
-        resolve_quantization(config.quantization, hf_config)  # (a quantized checkpoint it cannot run: before workers)
+        if resolve_quantization(config.quantization, hf_config) == "fp8":  # (what it cannot run: before workers)
+            check_fp8_device(self.device)
         # TP: this process is rank 0; the driver starts the workers, which build their runners
         # with the same start_model_runner.
         self.tp_driver = None

@@ -23,8 +23,8 @@ the model is then quantized like a bf16 one once the decoder norms are folded in
 weights are rounded a second time). A static `input_scale` is not used: activations are always scaled per token
 as they come.
 
-While a model to be quantized is built on a GPU, its projections' weights are allocated in host memory
-(`weights_on_host`): loading and the norm fold run there, and each weight moves to the GPU only to be quantized,
+While a model to be quantized is built on a GPU, its projections' and MoE experts' weights are allocated in host
+memory (`weights_on_host`): loading and the norm fold run there, and each weight moves to the GPU only to be quantized,
 so the GPU never holds the model in its dtype (a model that fits only in fp8 loads), at the cost of the fold's
 multiplies on the host.
 """
@@ -50,8 +50,8 @@ _weights_on_host = False
 
 @contextmanager
 def weights_on_host(enabled: bool) -> Iterator[None]:
-    """While the model is built (`enabled`: it will be quantized), linear layers allocate their weights in host
-    memory (`weight_device`); `LinearBase.quantize_fp8` moves each to the device as it quantizes it."""
+    """While the model is built (`enabled`: it will be quantized), linear layers and MoE experts allocate their
+    weights in host memory (`weight_device`); their `quantize_fp8` moves each to the device as it quantizes it."""
     global _weights_on_host
     previous, _weights_on_host = _weights_on_host, enabled
     try:
@@ -61,8 +61,8 @@ def weights_on_host(enabled: bool) -> Iterator[None]:
 
 
 def weight_device() -> torch.device | None:
-    """Where a linear layer being built allocates its weight: the host inside `weights_on_host`, else None (the
-    current default device)."""
+    """Where a linear layer (or MoE experts) being built allocates its weight: the host inside `weights_on_host`,
+    else None (the current default device)."""
     return torch.device("cpu") if _weights_on_host else None
 
 
@@ -85,6 +85,16 @@ def resolve_quantization(requested: str | None, hf_config: Any) -> str | None:
         return requested
     checkpoint_block_size(hf_config)  # (checks the method and its scheme)
     return "fp8"
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """fp8 weights on a GPU need fp8 conversions in Triton (our skinny and MoE kernels convert them as they load
+    them): compute capability 8.9 or newer (Ada, Hopper). Older GPUs fail when a kernel compiles, mid start-up, so
+    they are refused first."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {major}.{minor}: run the model unquantized")
 
 
 def checkpoint_block_size(hf_config: Any) -> tuple[int, int] | None:

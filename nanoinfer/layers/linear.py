@@ -105,7 +105,6 @@ class LinearBase(nn.Module):
         self.weight_scale = scale
 
 
-
 class ColumnParallelLinear(LinearBase):
     """y = RMSNorm(h) W^T + b with W's rows (output features) split over ranks; each rank keeps its slice of y.
     The norm's weight is folded into W once the checkpoint is loaded (`fold_norm`); forward multiplies the
@@ -194,7 +193,6 @@ class RowParallelLinear(LinearBase):
         if param is self.weight:
             loaded_weight = shard_of(loaded_weight, 1, self.tp_rank, self.tp_size)
         copy_weight(param.data, loaded_weight)
-
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The residual stream with this layer's output added: in place on one GPU (the matmul's epilogue)."""

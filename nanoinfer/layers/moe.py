@@ -49,7 +49,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     torch.topk's own order among ties differs between devices)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
     weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = weights[:, :top_k], ids[:, :top_k]
+    weights, ids = weights[:, :top_k].contiguous(), ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids.to(torch.int32)

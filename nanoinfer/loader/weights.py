@@ -10,7 +10,7 @@ Every name is checked before anything is read: a missing or unexpected
 weight fails fast, naming it. An fp8 checkpoint's weights are dequantized
 as they are read (their scales are read with them); `quantization="fp8"`
 quantizes the model once its weights are processed (layers/fp8.py), and on
-a GPU builds its projections' weights in host memory until then.
+a GPU builds its projections' and MoE experts' weights in host memory until then.
 """
 
 from __future__ import annotations
@@ -177,9 +177,22 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
         ) from e
 
 
+_STACKED_EXPERTS = ("gate_up_proj", "down_proj")  # transformers 5's stacked MoE experts (layers/moe.py)
+
+
 def _is_scale(name: str) -> bool:
-    """Whether checkpoint tensor `name` is named as an fp8 weight's scale."""
-    return name.rpartition(".")[2] in fp8.SCALE_SUFFIXES
+    """Whether checkpoint tensor `name` is named as an fp8 weight's scale (or a stacked experts tensor's)."""
+    leaf = name.rpartition(".")[2]
+    return leaf in fp8.SCALE_SUFFIXES or leaf in {f"{s}_{suffix}" for s in _STACKED_EXPERTS
+                                                  for suffix in ("scale_inv", "scale")}
+
+
+def _refuse_stacked_fp8_experts(name: str) -> None:
+    leaf = name.rpartition(".")[2]
+    if leaf.removesuffix("_scale_inv").removesuffix("_scale") in _STACKED_EXPERTS:
+        raise ValueError(f"fp8 checkpoint tensor {name!r}: MoE experts stacked in fp8 (transformers 5's layout "
+                         f"without its legacy names) do not load; save the checkpoint with one tensor per expert "
+                         f"(save_pretrained's default)")
 
 
 class _Fp8Scales:
@@ -193,6 +206,7 @@ class _Fp8Scales:
         self.block = fp8.checkpoint_block_size(hf_config)
         self.names = names
         for name in self.names:
+            _refuse_stacked_fp8_experts(name)
             if f"{name.rpartition('.')[0]}.weight" not in where:
                 raise ValueError(f"fp8 checkpoint tensor {name!r} is the scale of a weight the checkpoint does not "
                                  f"hold ({name.rpartition('.')[0]}.weight)")
@@ -204,6 +218,7 @@ class _Fp8Scales:
             raise ValueError(f"fp8 checkpoint tensor {name!r} is {tensor.dtype}: fp8 weights must be "
                              f"{fp8.FP8_DTYPE}")
         module, _, leaf = name.rpartition(".")
+        _refuse_stacked_fp8_experts(name)
         if leaf != "weight":
             raise ValueError(f"fp8 checkpoint tensor {name!r} is float8, but only weights are quantized")
         found = [f"{module}.{s}" for s in ("weight_scale_inv", "weight_scale") if f"{module}.{s}" in self.names]
@@ -218,7 +233,7 @@ class _Fp8Scales:
     def check_all_used(self) -> None:
         unused = sorted(n for n in self.names - self.used if not n.endswith(".input_scale"))
         if unused:
-            raise ValueError(f"fp8 checkpoint scales {unused} belong to weights that are not float8: a scale for a "
+            raise ValueError(f"fp8 checkpoint scales {_some(unused)} belong to weights that are not float8: a scale for a "
                              f"weight stored unquantized has no meaning")
 
 
@@ -351,8 +366,8 @@ def load_model(
 ) -> nn.Module:
     """Build the architecture named by `hf_config` on `device` in `dtype` and load its weights (`auto` and
     `safetensors` read `model_path`; `dummy` needs no files). `quantization` ("fp8", from
-    `fp8.resolve_quantization`): the decoder's projections then hold fp8 weights, their full-precision ones
-    built on the host until each is quantized (`fp8.weights_on_host`)."""
+    `fp8.resolve_quantization`): the decoder's projections and MoE experts then hold fp8 weights, their
+    full-precision ones built on the host until each is quantized (`fp8.weights_on_host`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {LOAD_FORMATS}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
