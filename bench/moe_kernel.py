@@ -6,7 +6,8 @@ Per batch size T: the routing (the gate's matmul, then softmax and top-k as the 
 `select_experts`) and `fused_moe`, timed from CUDA-graph replays rotating over enough layers' experts that no
 replay finds its weights in L2, as a decode step's layers do. Bytes
 counted are those a call must read: the weights of every expert in use (the uniform random router uses nearly all
-of them from T ~ 64) plus the activations; TB/s = bytes / time, against a device-to-device copy's rate
+of them from T ~ 64; half as many bytes for the same experts in fp8, `quantization="fp8"`'s layout) plus the
+activations; TB/s = bytes / time, against a device-to-device copy's rate
 (bytes read + written, bench/kernels.py's measure).
 
 Usage: PYTHONPATH=. python bench/moe_kernel.py [--json PATH]  (bench/gpu_suite.sh moe runs it)
@@ -27,6 +28,7 @@ from kernels import copy_bandwidth
 
 from nanoinfer.kernels.moe import fused_moe
 from nanoinfer.kernels.skinny_gemm import graph_seconds_per_call
+from nanoinfer.layers.fp8 import quantize_per_row
 from nanoinfer.layers.moe import fused_moe_math, select_experts
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, DTYPE = 2048, 768, 128, 8, torch.bfloat16
@@ -34,7 +36,16 @@ BATCHES = (1, 8, 32, 64, 128, 256, 1024, 4096)
 LAYERS = 4  # 4 x 1.2 GB of experts: far over L2
 
 
-def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict:
+def quantized(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer's experts as `quantization="fp8"` stores them: float8_e4m3fn rows, a float32 scale per row."""
+    out = {}
+    for name, w in (("w13", w13), ("w2", w2)):
+        q, scale = quantize_per_row(w.flatten(0, 1))
+        out[name], out[f"{name}_scale"] = q.view(w.shape), scale.view(w.shape[:2])
+    return out
+
+
+def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[dict]) -> dict:
     x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
     gates = [gate for gate, _, _ in layers]
     routed = [select_experts(F.linear(x, gate), TOP_K, True) for gate in gates]
@@ -42,14 +53,23 @@ def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]])
                                      replays=20)
     t_moe = graph_seconds_per_call(
         [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)], replays=20)
+    t_fp8 = graph_seconds_per_call(
+        [lambda q=q, r=r: fused_moe(x, q["w13"], q["w2"], *r, w13_scale=q["w13_scale"], w2_scale=q["w2_scale"])
+         for q, r in zip(fp8_layers, routed)], replays=20)
     used = torch.unique(routed[0][1]).numel()  # (layer 0's routing stands for the rotation's: the same T, uniform)
-    nbytes = used * 3 * HIDDEN * INTERMEDIATE * 2 + T * HIDDEN * 2 * 2
+    weight_bytes, activation_bytes = used * 3 * HIDDEN * INTERMEDIATE, T * HIDDEN * 2 * 2
+    nbytes, fp8_bytes = 2 * weight_bytes + activation_bytes, weight_bytes + activation_bytes
     _, w13, w2 = layers[0]
-    ours = fused_moe(x, w13, w2, *routed[0]).float()
-    reference = fused_moe_math(x, w13, w2, *routed[0]).float()
-    err = ((ours - reference).norm() / reference.norm()).item()
+    q = fp8_layers[0]
+    errors = []
+    for ours, reference in (
+            (fused_moe(x, w13, w2, *routed[0]), fused_moe_math(x, w13, w2, *routed[0])),
+            (fused_moe(x, q["w13"], q["w2"], *routed[0], w13_scale=q["w13_scale"], w2_scale=q["w2_scale"]),
+             fused_moe_math(x, q["w13"], q["w2"], *routed[0], q["w13_scale"], q["w2_scale"]))):
+        errors.append(((ours.float() - reference.float()).norm() / reference.float().norm()).item())
     return {"T": T, "experts_used": used, "mbytes": nbytes / 1e6, "route_us": t_route * 1e6, "moe_us": t_moe * 1e6,
-            "moe_tbps": nbytes / t_moe / 1e12, "rel_err_vs_math": err}
+            "moe_tbps": nbytes / t_moe / 1e12, "rel_err_vs_math": errors[0], "fp8_us": t_fp8 * 1e6,
+            "fp8_tbps": fp8_bytes / t_fp8 / 1e12, "fp8_rel_err_vs_math": errors[1]}
 
 
 def peer_seconds(T: int, layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
@@ -85,19 +105,22 @@ def main() -> None:
                torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5,
                torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=DTYPE) / INTERMEDIATE**0.5)
               for _ in range(LAYERS)]
+    fp8_layers = [quantized(w13, w2) for _, w13, w2 in layers]
     rows = []
     for T in BATCHES:
-        row = bench(T, layers)
+        row = bench(T, layers, fp8_layers)
         row["peer_us"] = peer_seconds(T, layers[0]) * 1e6
         rows.append(row)
     device = torch.cuda.get_device_name(0)
     print(f"{device}  triton {triton.__version__}  torch {torch.__version__}  copy (read + write) {rate / 1e12:.2f} TB/s")
-    print("fused MoE, one Qwen3-30B-A3B layer's experts (bf16, CUDA graphs, weights not L2-resident)")
-    print("      T  experts     MB   route us   moe us   TB/s  % copy  transformers us  rel err")
+    print("fused MoE, one Qwen3-30B-A3B layer's experts (bf16 activations, CUDA graphs, weights not L2-resident;"
+          " MB and % copy: the bf16 experts'; fp8: the same experts quantized per row)")
+    print("      T  experts     MB   route us   moe us   TB/s  % copy  rel err   fp8 us  fp8 TB/s  fp8 err"
+          "  transformers us")
     for r in rows:
         print(f"  {r['T']:>5} {r['experts_used']:>8} {r['mbytes']:>6.0f} {r['route_us']:>10.1f} {r['moe_us']:>8.1f}"
-              f" {r['moe_tbps']:>6.2f} {100 * r['moe_tbps'] * 1e12 / rate:>7.1f} {r['peer_us']:>16.1f}"
-              f"  {r['rel_err_vs_math']:.1e}")
+              f" {r['moe_tbps']:>6.2f} {100 * r['moe_tbps'] * 1e12 / rate:>7.1f}  {r['rel_err_vs_math']:.1e}"
+              f" {r['fp8_us']:>8.1f} {r['fp8_tbps']:>9.2f}  {r['fp8_rel_err_vs_math']:.1e} {r['peer_us']:>16.1f}")
     with open(args.json, "w") as f:
         json.dump({"device": device, "copy_tbps": rate / 1e12, "rows": rows}, f, indent=1)
 
