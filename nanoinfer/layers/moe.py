@@ -189,8 +189,8 @@ class FusedMoE(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """residual + MoE(RMSNorm(residual)): Qwen3-MoE's `mlp` and Mixtral's `block_sparse_moe`. Module names mirror
-    the checkpoints' (`gate`, `experts`)."""
+    """residual + MoE(RMSNorm(residual)): a decoder layer's `mlp` (Mixtral's checkpoints call it
+    `block_sparse_moe`). Module names mirror the checkpoints' (`gate`, `experts`)."""
 
     def __init__(self, config: Any, all_reduce_slot: int) -> None:
         super().__init__()

@@ -119,6 +119,28 @@ def _checkpoint_targets(model: nn.Module, found: set[str] | None = None) -> dict
     return targets
 
 
+def _our_names(model: nn.Module, names: list[str]) -> dict[str, str]:
+    """Checkpoint tensor name -> the name the model loads it under: with the model's `checkpoint_substrings`
+    replaced (Mixtral's checkpoints call its MoE block `block_sparse_moe`, which is our `mlp`, as transformers 5's),
+    and an export of the bare model (sentence-transformers' and most embedding models': `layers.0...`) read under
+    "model.". A name the model lacks stays as it is, for the match to report. Two checkpoint names for one tensor
+    are an error (one would silently overwrite the other)."""
+    own = _checkpoint_targets(model)
+    ours: dict[str, str] = {}
+    for name in names:
+        mapped = name
+        for old, new in getattr(model, "checkpoint_substrings", {}).items():
+            mapped = mapped.replace(old, new)
+        ours[name] = f"model.{mapped}" if mapped not in own and f"model.{mapped}" in own else mapped
+    first: dict[str, str] = {}
+    for name, mapped in ours.items():
+        if mapped in first:
+            renamed, other = sorted((first[mapped], name), key=lambda n: n == mapped)
+            raise ValueError(f"tensor {mapped!r} is in the checkpoint twice: as {renamed!r} and {other!r}")
+        first[mapped] = name
+    return ours
+
+
 def _is_kv_cache_scale(name: str) -> bool:
     """A quantized checkpoint's KV-cache scales (compressed-tensors' `self_attn.k_scale` / `v_scale`, older
     `kv_scale`, or `k_proj.output_scale` / `v_proj.output_scale`)."""
@@ -264,13 +286,9 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
     elif scale_names:
         raise ValueError(f"the checkpoint holds fp8 scales ({min(scale_names)!r}), but config.json has no fp8 "
                          f"quantization_config saying how to apply them")
-    own = _checkpoint_targets(model)
-    rename = {n: f"model.{n}" for n in where if n not in own and f"model.{n}" in own}
-    twice = next((n for n in rename if rename[n] in where), None)
-    if twice is not None:  # one would silently overwrite the other
-        raise ValueError(f"tensor {rename[twice]!r} is in the checkpoint twice: as {twice!r} and {rename[twice]!r}")
     weights = [n for n in where if n not in scale_names]
-    targets = _match_names(model, {rename.get(n, n) for n in weights}, f"checkpoint in {str(folder)!r}",
+    rename = _our_names(model, weights)
+    targets = _match_names(model, set(rename.values()), f"checkpoint in {str(folder)!r}",
                            frozenset() if needs_lm_head else frozenset({"lm_head.weight"}))
     with ExitStack() as stack:
         handles = {file: stack.enter_context(_open_safetensors(file)) for file in files}
@@ -285,7 +303,7 @@ def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_h
             tensor = read(name)
             if scales is not None and tensor.dtype.is_floating_point and tensor.element_size() == 1:
                 tensor = scales.dequantized(name, tensor, read)
-            _load_tensor(targets, rename.get(name, name), tensor)
+            _load_tensor(targets, rename[name], tensor)
     if scales is not None:
         scales.check_all_used()
 
@@ -337,12 +355,14 @@ def _fill_dummy(model: nn.Module, hf_config: Any, device: torch.device, seed: in
     generator seeded by `seed` and its name, then is sharded like a real one: the same model for
     every TP size (reproducible per device type and dtype)."""
     shapes = _checkpoint_shapes(hf_config)
-    targets = _match_names(model, set(shapes), f"dummy weights for {getattr(hf_config, 'architectures', None)}")
+    rename = _our_names(model, list(shapes))
+    targets = _match_names(model, set(rename.values()),
+                           f"dummy weights for {getattr(hf_config, 'architectures', None)}")
     generator = torch.Generator(device=device)
     for name, shape in shapes.items():
         generator.manual_seed(seed + zlib.crc32(name.encode()))
-        full = torch.empty(shape, dtype=targets[name][0].dtype, device=device)
-        _load_tensor(targets, name, full.uniform_(*dummy_bounds(name, shape), generator=generator))
+        full = torch.empty(shape, dtype=targets[rename[name]][0].dtype, device=device)
+        _load_tensor(targets, rename[name], full.uniform_(*dummy_bounds(name, shape), generator=generator))
 
 
 @contextmanager

@@ -7,7 +7,7 @@ read from the HF config:
 * Qwen3 (and Qwen3-MoE) normalises each query and key head (RMSNorm over head_dim) before RoPE;
 * `tie_word_embeddings`: the LM head reuses the embedding matrix;
 * Qwen3-MoE and Mixtral replace the MLP by a sparse MoE block (layers/moe.py) in every layer that
-  `is_moe_layer` names (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`).
+  `is_moe_layer` names (Mixtral's checkpoints call it `block_sparse_moe`: `checkpoint_substrings`).
 
 Tokens of all sequences arrive flattened (`[T]` ids and positions); attention
 finds the batch layout in the forward context set by the model runner.
@@ -18,7 +18,7 @@ row-parallel projections add into the residual stream (layers/linear.py).
 An MoE block's input norm is the exception: its router and experts share one
 norm kernel.
 Module names mirror the HF checkpoints so the loader maps names 1:1, except
-the fused projections listed in `packed_modules_mapping`.
+the fused projections listed in `packed_modules_mapping` and `checkpoint_substrings`.
 """
 
 from __future__ import annotations
@@ -87,13 +87,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
-        # The feed-forward block, under its checkpoint name (Mixtral's MoE block is `block_sparse_moe`).
-        if is_moe_layer(config, layer_idx):
-            self.ffn_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
-            self.add_module(self.ffn_name, SparseMoeBlock(config, all_reduce_slot=1))
-        else:
-            self.ffn_name = "mlp"
-            self.mlp = LlamaMLP(config)
+        self.mlp = SparseMoeBlock(config, all_reduce_slot=1) if is_moe_layer(config, layer_idx) else LlamaMLP(config)
         # Checkpoint weights folded into the projections after them (`fold_norms`); eps stays here.
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -101,13 +95,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The residual stream in, updated (in place on one GPU) out."""
         hidden = self.self_attn(positions, hidden, self.input_layernorm.eps)
-        return getattr(self, self.ffn_name)(hidden, self.post_attention_layernorm)
+        return self.mlp(hidden, self.post_attention_layernorm)
 
     def fold_norms(self) -> None:
         self.self_attn.qkv_proj.fold_norm(self.input_layernorm.weight)
-        ffn = getattr(self, self.ffn_name)
-        if isinstance(ffn, LlamaMLP):
-            ffn.gate_up_proj.fold_norm(self.post_attention_layernorm.weight)
+        if isinstance(self.mlp, LlamaMLP):  # (an MoE block normalises its input itself)
+            self.mlp.gate_up_proj.fold_norm(self.post_attention_layernorm.weight)
 
 
 class LlamaModel(nn.Module):
@@ -133,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
+    # Checkpoint name parts that are ours under another name: Mixtral's MoE block is our (and transformers 5's) mlp.
+    checkpoint_substrings = {".block_sparse_moe.": ".mlp."}
 
     def __init__(self, config: Any) -> None:
         super().__init__()
