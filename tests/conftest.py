@@ -30,6 +30,7 @@ def make_tiny_model(path: str, arch: str, **overrides) -> str:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     kwargs = dict(TINY, **overrides)
@@ -37,6 +38,9 @@ def make_tiny_model(path: str, arch: str, **overrides) -> str:
         kwargs.setdefault("head_dim", 16)
     if arch == "qwen3_moe":  # 8 experts of 32, two per token; the default keeps every layer sparse
         kwargs = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, **kwargs}
+    if arch == "qwen2_moe":  # 8 experts of 32, two per token, and a shared expert of 48
+        kwargs = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 48, **kwargs}
     if arch == "mixtral":  # 4 experts of intermediate_size, two per token; no EOS (its default, 2, is a plain token
         # here, which transformers' min_new_tokens would mask and our ignore_eos not)
         kwargs = {"num_local_experts": 4, "num_experts_per_tok": 2, "eos_token_id": None, "bos_token_id": None, **kwargs}

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 import nanoinfer.layers.linear as linear_module
 from nanoinfer.attention.metadata import AttentionMetadata, set_forward_context
@@ -149,6 +149,9 @@ CASES = {
                                                        moe_intermediate_size=24, decoder_sparse_step=2,
                                                        norm_topk_prob=True)),
     "mixtral": (MixtralConfig, None, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2-moe-shared-expert": (Qwen2MoeConfig, None, dict(num_experts=8, num_experts_per_tok=2,
+                                                          moe_intermediate_size=24,
+                                                          shared_expert_intermediate_size=40)),
 }
 
 

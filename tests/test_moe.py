@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral; layers/moe.py): greedy output equals Hugging Face transformers'
+"""Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral; layers/moe.py): greedy output equals Hugging Face transformers'
 token for token, with chunked prefill and under tensor parallelism; routing equals transformers' routers; the
 experts' math equals its per-token definition; dummy weights, LoRA on the attention projections, and every bad
 configuration (LoRA on experts, a tensor-parallel size that does not divide the experts, a missing expert weight,
@@ -27,7 +27,8 @@ from nanoinfer.loader.weights import get_hf_config, load_model
 NUM_TOKENS = 10
 PROMPTS = [[5, 9, 17, 3, 88, 120, 7], [200, 1, 2, 3], list(range(30, 70))]
 # Qwen3-MoE with a dense layer between sparse ones (`mlp_only_layers`) and renormalised top-k weights; Mixtral.
-ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True), "mixtral": {}}
+ARCHS = {"qwen3_moe": dict(num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True), "mixtral": {},
+         "qwen2_moe": {}}  # (Qwen2-MoE: a gated shared expert beside the routed ones; q/k/v biases)
 
 
 def greedy(n: int = NUM_TOKENS) -> SamplingParams:
@@ -155,9 +156,11 @@ def test_chunked_prefill_mixed_with_decodes_equals_transformers(moe_models):
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
 
 
-def test_tp2_equals_transformers(moe_models):
-    """Two gloo ranks: each holds every expert's half of the intermediate dimension; the router is replicated."""
-    case = moe_models["qwen3_moe"]
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_tp2_equals_transformers(moe_models, arch):
+    """Two gloo ranks: each holds every expert's half of the intermediate dimension (and of the shared expert's);
+    the routers are replicated."""
+    case = moe_models[arch]
     llm = LLM(case["path"], block_size=4, device="cpu", tensor_parallel_size=2, num_kv_blocks=64)
     try:
         assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == case["expected"]
@@ -235,11 +238,13 @@ def dequantized_moe_reference(base: str, folder) -> str:
             if hasattr(mlp, "experts"):  # transformers 5 keeps them stacked: [E, 2I, H] and [E, H, I]
                 for w in (mlp.experts.gate_up_proj, mlp.experts.down_proj):
                     w.copy_(quantize_rows(w.flatten(0, 1)).view(w.shape))
-            else:
+            # A dense MLP, or Qwen2-MoE's shared expert: it reads the residual stream, the norm folded into it.
+            dense = getattr(mlp, "shared_expert", None) if hasattr(mlp, "experts") else mlp
+            if dense is not None:
                 g = layer.post_attention_layernorm.weight
-                for proj in (mlp.gate_proj, mlp.up_proj):
+                for proj in (dense.gate_proj, dense.up_proj):
                     proj.weight.copy_(quantize_rows(proj.weight * g) / g)
-                mlp.down_proj.weight.copy_(quantize_rows(mlp.down_proj.weight))
+                dense.down_proj.weight.copy_(quantize_rows(dense.down_proj.weight))
     model.save_pretrained(folder)
     return str(folder)
 
@@ -255,12 +260,21 @@ def fp8_moe(moe_models, tmp_path_factory) -> dict:
     return {"base": base, "expected": hf_greedy(dequantized_moe_reference(base, root / "deq"), PROMPTS, NUM_TOKENS)}
 
 
-def test_fp8_experts_equal_transformers_on_the_dequantized_weights(fp8_moe):
+def test_fp8_experts_equal_transformers_on_the_dequantized_weights(fp8_moe, moe_models, tmp_path):
     llm = LLM(fp8_moe["base"], quantization="fp8", block_size=4, device="cpu")
     experts = [m for m in llm.llm_engine.core.runner.model.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == 2 and all(m.w13_weight.dtype == m.w2_weight.dtype == torch.float8_e4m3fn
                                      and m.w13_scale.shape == (8, 64) and m.w2_scale.shape == (8, 64) for m in experts)
     assert token_ids(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == fp8_moe["expected"]
+    # Qwen2-MoE: its shared expert is quantized as a dense MLP (the norm folded into it)
+    from test_lora import perturbed
+
+    base = perturbed(moe_models["qwen2_moe"]["path"], tmp_path / "qwen2")
+    expected = hf_greedy(dequantized_moe_reference(base, tmp_path / "qwen2-deq"), PROMPTS, NUM_TOKENS)
+    with LLM(base, quantization="fp8", block_size=4, device="cpu") as qwen2:
+        shared = qwen2.llm_engine.core.runner.model.model.layers[0].mlp.shared_expert
+        assert shared.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+        assert token_ids(qwen2.generate(PROMPTS, greedy(), use_tqdm=False)) == expected
 
 
 def test_tp2_fp8_experts_equal_tp1(fp8_moe):

@@ -199,8 +199,13 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             out = linear(x, self.weight, self.bias, residual=residual, weight_scale=self.weight_scale)
             return out if self.lora is None else self.lora.add_to(out, x)
+        return reduce_partial(self.partial(x), residual, self.all_reduce_slot)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of x W^T + b, before the sum over ranks (a caller that sums it with more parts: an MoE
+        block's shared expert)."""
         # The (replicated) bias is added by rank 0 only, so the sum counts it once.
-        partial = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, weight_scale=self.weight_scale)
+        out = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, weight_scale=self.weight_scale)
         if self.lora is not None:  # this rank's input shard through its A shard: the all-reduce sums the parts
-            self.lora.add_to(partial, x)
-        return reduce_partial(partial, residual, self.all_reduce_slot)
+            self.lora.add_to(out, x)
+        return out

@@ -1,5 +1,6 @@
-"""Mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral): a router picks each token's top-k experts, and
-the token's output is the routing-weighted sum of those experts' SiLU-gated MLPs.
+"""Mixture-of-experts feed-forward block (Qwen3-MoE, Qwen2-MoE, Mixtral): a router picks each token's top-k
+experts, and the token's output is the routing-weighted sum of those experts' SiLU-gated MLPs (plus, in Qwen2-MoE,
+a gated shared expert's).
 
 All experts' weights live in two stacked tensors, `w13` [E, 2 * I, H] (each expert's gate rows, then its up
 rows) and `w2` [E, H, I], so each of the block's two matmuls is one grouped-GEMM launch for every expert
@@ -192,7 +193,10 @@ class SparseMoeBlock(nn.Module):
     """residual + MoE(RMSNorm(residual)): a decoder layer's `mlp` (Mixtral's checkpoints call it
     `block_sparse_moe`). Module names mirror the checkpoints' (`gate`, `experts`)."""
 
-    def __init__(self, config: Any, all_reduce_slot: int) -> None:
+    def __init__(self, config: Any, all_reduce_slot: int, shared_expert: nn.Module | None = None) -> None:
+        """shared_expert: Qwen2-MoE's dense MLP that every token goes through, its output scaled by
+        sigmoid(x g^T) (`shared_expert_gate`) and added to the experts'; it has `partial(hidden, norm)` and
+        `fold_norm(weight)`, as the decoder's MLP (models/llama.py)."""
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for MoE experts; only 'silu'")
@@ -209,11 +213,25 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, config.hidden_size, intermediate,
                                 ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj"))
         self.all_reduce_slot = all_reduce_slot
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = None if shared_expert is None else Router(config.hidden_size, 1)
+
+    def fold_norm(self, norm_weight: torch.Tensor) -> None:
+        """The input norm's weight into the shared expert's first projection, as a dense MLP's (it reads the
+        residual stream; the router and the experts read the normalised one)."""
+        if self.shared_expert is not None:
+            self.shared_expert.fold_norm(norm_weight)
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """The residual stream `hidden` plus the experts' output for its RMSNorm `norm` (the decoder layer's)."""
         x = norm(hidden)
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        shared = None
+        if self.shared_expert is not None:
+            shared = self.shared_expert.partial(hidden, norm) * torch.sigmoid(self.shared_expert_gate(x))
         if self.experts.tp_size == 1:
+            if shared is not None:
+                hidden.add_(shared)
             return self.experts(x, topk_weights, topk_ids, residual=hidden)
-        return reduce_partial(self.experts(x, topk_weights, topk_ids), hidden, self.all_reduce_slot)
+        partial = self.experts(x, topk_weights, topk_ids)
+        return reduce_partial(partial if shared is None else partial.add_(shared), hidden, self.all_reduce_slot)

@@ -1,13 +1,15 @@
 """The Llama decoder family in one implementation: Llama 2/3, SmolLM2, Mistral,
-Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral differ only in flags
-read from the HF config:
+Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE, Qwen2-MoE and Mixtral differ only
+in flags read from the HF config:
 
 * `attention_bias` (Llama, Qwen3): bias on q/k/v/o; Qwen2 always has a q/k/v bias and none on o, whatever
-  its config says (a config converted from a Qwen2 GGUF says true); `mlp_bias`: Llama's only;
+  its config says (a config converted from a Qwen2 GGUF says true), Qwen2-MoE as its `qkv_bias` says;
+  `mlp_bias`: Llama's only;
 * Qwen3 (and Qwen3-MoE) normalises each query and key head (RMSNorm over head_dim) before RoPE;
 * `tie_word_embeddings`: the LM head reuses the embedding matrix;
-* Qwen3-MoE and Mixtral replace the MLP by a sparse MoE block (layers/moe.py) in every layer that
-  `is_moe_layer` names (Mixtral's checkpoints call it `block_sparse_moe`: `checkpoint_substrings`).
+* Qwen3-MoE, Qwen2-MoE and Mixtral replace the MLP by a sparse MoE block (layers/moe.py) in every layer
+  that `is_moe_layer` names (Mixtral's checkpoints call it `block_sparse_moe`: `checkpoint_substrings`);
+  Qwen2-MoE's block adds a gated shared expert, a dense MLP every token goes through.
 
 Tokens of all sequences arrive flattened (`[T]` ids and positions); attention
 finds the batch layout in the forward context set by the model runner.
@@ -48,11 +50,12 @@ class LlamaAttention(nn.Module):
         num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, num_heads, num_kv_heads, bias=attention_bias or config.model_type == "qwen2"
-        )
-        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size,
-                                        bias=attention_bias and config.model_type != "qwen2", all_reduce_slot=0)
+        if config.model_type == "qwen2_moe":  # (its config says so, as `qkv_bias`; older ones do not: then it has one)
+            qkv_bias, o_bias = getattr(config, "qkv_bias", True), False
+        else:
+            qkv_bias, o_bias = attention_bias or config.model_type == "qwen2", attention_bias and config.model_type != "qwen2"
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=o_bias, all_reduce_slot=0)
         if config.model_type in ("qwen3", "qwen3_moe"):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
@@ -69,12 +72,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+        """intermediate_size: config.intermediate_size unless given (Qwen2-MoE's shared expert has its own)."""
         super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False) and config.model_type == "llama"  # (the others' MLPs have none)
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias,
-                                           all_reduce_slot=1)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias, all_reduce_slot=1)
         self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -82,12 +86,26 @@ class LlamaMLP(nn.Module):
         gate_up, deferred = self.gate_up_proj(hidden, norm.eps)
         return self.down_proj(self.act_fn(gate_up, deferred), residual=hidden)
 
+    def partial(self, hidden: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """This rank's part of the MLP of `hidden`'s RMSNorm, unsummed and without the residual (an MoE block adds
+        it to its experts' part: `SparseMoeBlock`'s shared expert)."""
+        gate_up, deferred = self.gate_up_proj(hidden, norm.eps)
+        return self.down_proj.partial(self.act_fn(gate_up, deferred))
+
+    def fold_norm(self, norm_weight: torch.Tensor) -> None:
+        self.gate_up_proj.fold_norm(norm_weight)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb)
-        self.mlp = SparseMoeBlock(config, all_reduce_slot=1) if is_moe_layer(config, layer_idx) else LlamaMLP(config)
+        if is_moe_layer(config, layer_idx):
+            shared = getattr(config, "shared_expert_intermediate_size", 0)  # (Qwen2-MoE's)
+            self.mlp = SparseMoeBlock(config, all_reduce_slot=1,
+                                      shared_expert=LlamaMLP(config, shared) if shared else None)
+        else:
+            self.mlp = LlamaMLP(config)
         # Checkpoint weights folded into the projections after them (`fold_norms`); eps stays here.
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -99,8 +117,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def fold_norms(self) -> None:
         self.self_attn.qkv_proj.fold_norm(self.input_layernorm.weight)
-        if isinstance(self.mlp, LlamaMLP):  # (an MoE block normalises its input itself)
-            self.mlp.gate_up_proj.fold_norm(self.post_attention_layernorm.weight)
+        self.mlp.fold_norm(self.post_attention_layernorm.weight)
 
 
 class LlamaModel(nn.Module):
