@@ -331,6 +331,7 @@ def test_a_missing_expert_weight_is_named(moe_models, tmp_path):
     ("num_experts", -1, "num_experts must be a non-negative integer, got -1"),
     ("decoder_sparse_step", 0, "decoder_sparse_step must be a positive integer, got 0"),
     ("num_experts_per_tok", 0, "num_experts_per_tok must be a positive integer, got 0"),
+    ("shared_expert_intermediate_size", -8, "shared_expert_intermediate_size must be a positive integer, got -8"),
 ])
 def test_bad_moe_config_values_are_named(tmp_path, field, value, message):
     config = json.loads(open(make_tiny_model_config("qwen3_moe")).read())

@@ -119,7 +119,7 @@ def check_model_config(hf_config) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"the model's config.json: {name} must be a non-negative integer, got {value!r}")
     if num_experts_of(hf_config):  # a mixture of experts (layers/moe.py)
-        for name in ("num_experts_per_tok", "decoder_sparse_step"):
+        for name in ("num_experts_per_tok", "decoder_sparse_step", "shared_expert_intermediate_size"):
             if getattr(hf_config, name, None) is not None:
                 _positive_int(hf_config, name)
         if hf_config.model_type != "mixtral":
