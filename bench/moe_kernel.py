@@ -112,7 +112,8 @@ def main() -> None:
         row["peer_us"] = peer_seconds(T, layers[0]) * 1e6
         rows.append(row)
     device = torch.cuda.get_device_name(0)
-    print(f"{device}  triton {triton.__version__}  torch {torch.__version__}  copy (read + write) {rate / 1e12:.2f} TB/s")
+    print(f"{device}  triton {triton.__version__}  torch {torch.__version__}  "
+          f"copy (read + write) {rate / 1e12:.2f} TB/s")
     print("fused MoE, one Qwen3-30B-A3B layer's experts (bf16 activations, CUDA graphs, weights not L2-resident;"
           " MB and % copy: the bf16 experts'; fp8: the same experts quantized per row)")
     print("      T  experts     MB   route us   moe us   TB/s  % copy  rel err   fp8 us  fp8 TB/s  fp8 err"

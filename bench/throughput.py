@@ -176,7 +176,8 @@ def run_hf_peer(args) -> dict:
 
     config = AutoConfig.from_pretrained(args.model)
     with torch.device("cuda"):  # random weights made on the GPU: a large model's host init takes minutes
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=args.peer_attn).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
+                                                 attn_implementation=args.peer_attn).eval()
     prompts, params = workload(args.num_seqs)
     prompts, params = prompts[: args.peer_num_seqs], params[: args.peer_num_seqs]
     gen = GenerationConfig(max_new_tokens=max(p.max_tokens for p in params), do_sample=True, temperature=0.6,

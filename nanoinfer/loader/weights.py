@@ -255,8 +255,8 @@ class _Fp8Scales:
     def check_all_used(self) -> None:
         unused = sorted(n for n in self.names - self.used if not n.endswith(".input_scale"))
         if unused:
-            raise ValueError(f"fp8 checkpoint scales {_some(unused)} belong to weights that are not float8: a scale for a "
-                             f"weight stored unquantized has no meaning")
+            raise ValueError(f"fp8 checkpoint scales {_some(unused)} belong to weights that are not float8: a scale "
+                             f"for a weight stored unquantized has no meaning")
 
 
 def _load_safetensors(model: nn.Module, folder: Path, hf_config: Any, needs_lm_head: bool = True) -> None:

@@ -53,7 +53,8 @@ class LlamaAttention(nn.Module):
         if config.model_type == "qwen2_moe":  # (its config says so, as `qkv_bias`; older ones do not: then it has one)
             qkv_bias, o_bias = getattr(config, "qkv_bias", True), False
         else:
-            qkv_bias, o_bias = attention_bias or config.model_type == "qwen2", attention_bias and config.model_type != "qwen2"
+            qwen2 = config.model_type == "qwen2"
+            qkv_bias, o_bias = attention_bias or qwen2, attention_bias and not qwen2
         self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(num_heads * head_dim, config.hidden_size, bias=o_bias, all_reduce_slot=0)
         if config.model_type in ("qwen3", "qwen3_moe"):
