@@ -29,13 +29,13 @@ from nanoinfer.layers.linear import copy_weight, divide, reduce_partial, shard_o
 
 
 def num_experts_of(config: Any) -> int:
-    """Experts per MoE layer: Qwen3-MoE's `num_experts`, Mixtral's `num_local_experts` (0: a dense model)."""
+    """Experts per MoE layer: Qwen's `num_experts`, Mixtral's `num_local_experts` (0: a dense model)."""
     return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
 
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
-    """Whether decoder layer `layer_idx` has an MoE block (Qwen3-MoE may keep some layers dense: `mlp_only_layers`,
-    and `decoder_sparse_step`)."""
+    """Whether decoder layer `layer_idx` has an MoE block (Qwen's MoE models may keep some layers dense:
+    `mlp_only_layers`, and `decoder_sparse_step`)."""
     if num_experts_of(config) == 0:
         return False
     step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -206,7 +206,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the number of experts "
                              f"({num_experts})")
         mixtral = config.model_type == "mixtral"
-        # Mixtral always renormalises the top-k weights; Qwen3-MoE where `norm_topk_prob` says so.
+        # Mixtral always renormalises the top-k weights; Qwen's MoE models where `norm_topk_prob` says so.
         self.renormalize = mixtral or bool(getattr(config, "norm_topk_prob", False))
         intermediate = config.intermediate_size if mixtral else config.moe_intermediate_size
         self.gate = Router(config.hidden_size, num_experts)

@@ -200,13 +200,13 @@ def _load_tensor(targets: dict[str, tuple[nn.Parameter, Any]], name: str, loaded
 
 
 _STACKED_EXPERTS = ("gate_up_proj", "down_proj")  # transformers 5's stacked MoE experts (layers/moe.py)
+_STACKED_SCALES = {f"{stacked}_{suffix}" for stacked in _STACKED_EXPERTS for suffix in ("scale_inv", "scale")}
 
 
 def _is_scale(name: str) -> bool:
     """Whether checkpoint tensor `name` is named as an fp8 weight's scale (or a stacked experts tensor's)."""
     leaf = name.rpartition(".")[2]
-    return leaf in fp8.SCALE_SUFFIXES or leaf in {f"{s}_{suffix}" for s in _STACKED_EXPERTS
-                                                  for suffix in ("scale_inv", "scale")}
+    return leaf in fp8.SCALE_SUFFIXES or leaf in _STACKED_SCALES
 
 
 def _refuse_stacked_fp8_experts(name: str) -> None:
