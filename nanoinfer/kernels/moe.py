@@ -20,8 +20,13 @@ it waits on the host every layer and cannot be captured. Here:
   - weighted (intermediate -> buffer [T * k, H] float32): the float32 accumulator times the entry's routing
     weight.
   Programs whose row block is past the used ones return at once; padding rows are masked out.
-* A last small kernel sums each token's k rows of the buffer in float32, in slot order, and rounds once: no
-  atomics, so the result is deterministic.
+* A last small kernel sums each token's k rows of the buffer in float32, in slot order (with the residual stream
+  row, when given), and rounds once: no atomics, so the result is deterministic.
+* Before all of it, `topk_softmax` routes each token in one program (softmax, top-k, renormalisation), where the
+  PyTorch ops took six launches a layer.
+
+fp8 experts (`quantization="fp8"`) are converted to the activations' dtype as the GEMM loads them, each product
+scaled by its weight row's scale in the epilogue (weight-only, as the skinny kernel's).
 
 Launch parameters are pure functions of host ints (`choose_block_m`, `choose_config`; no autotuning, which
 would re-tune inside CUDA-graph capture): 16-row blocks when experts see few rows each (decode), 64 when they

@@ -37,6 +37,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from nanoinfer.distributed.parallel_state import tp_all_reduce_max, tp_world_size
+
 QUANTIZATION_METHODS = ("fp8",)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -187,8 +189,6 @@ def full_row_amax(weight: torch.Tensor, rows_split: bool) -> torch.Tensor:
     outputs, then do not depend on the tensor-parallel size); else each rank holds whole rows, and the ranks only
     agree whether any weight is not finite, so all of them refuse it (one alone would leave the others waiting in
     the next collective)."""
-    from nanoinfer.distributed.parallel_state import tp_all_reduce_max, tp_world_size
-
     amax = row_amax(weight)
     if tp_world_size() == 1:
         return amax
