@@ -10,7 +10,10 @@ of them from T ~ 64; half as many bytes for the same experts in fp8, `quantizati
 activations; TB/s = bytes / time, against a device-to-device copy's rate
 (bytes read + written, bench/kernels.py's measure).
 
-Usage: PYTHONPATH=. python bench/moe_kernel.py [--json PATH]  (bench/gpu_suite.sh moe runs it)
+`--sweep bf16|fp8` instead times each GEMM's tile candidates around `choose_config` (the other GEMM at its
+default) at T = 1 .. 4096 and prints the best per batch size, to retune it.
+
+Usage: PYTHONPATH=. python bench/moe_kernel.py [--json PATH] [--sweep bf16|fp8]  (bench/gpu_suite.sh moe runs it)
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import triton
 
 from kernels import copy_bandwidth
 
-from nanoinfer.kernels.moe import fused_moe
+import nanoinfer.kernels.moe as moe_kernels
+from nanoinfer.kernels.moe import GemmConfig, choose_block_m, fused_moe
 from nanoinfer.kernels.skinny_gemm import graph_seconds_per_call
 from nanoinfer.layers.fp8 import quantize_per_row
 from nanoinfer.layers.moe import fused_moe_math, select_experts
@@ -72,6 +76,51 @@ def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
             "fp8_tbps": fp8_bytes / t_fp8 / 1e12, "fp8_rel_err_vs_math": errors[1]}
 
 
+def candidates(block_m: int, gated: bool) -> list[GemmConfig]:
+    """Tiles around the heuristic's: decode-sized blocks (16 rows) are weight-bandwidth bound (column and K tiles,
+    stages), prefill blocks are compute bound (tiles and warps)."""
+    if block_m <= 16:
+        return [GemmConfig(n, k, 4, st) for n in ((16, 32, 64) if gated else (64, 128)) for k in (128, 256)
+                for st in (3, 4, 5)]
+    return [GemmConfig(n, k, w, 3) for n in (64, 128) for k in (64, 128) for w in (4, 8)]
+
+
+def sweep(dtype: str, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[dict]) -> list:
+    """Per T and GEMM: each candidate's us per fused_moe call (graph replays, as `bench` times them) with the
+    other GEMM at `choose_config`'s tiles; prints the default and the best three."""
+    default = moe_kernels.choose_config
+    rows = []
+    for T in BATCHES:
+        x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
+        routed = [select_experts(F.linear(x, gate), TOP_K, True) for gate, _, _ in layers]
+        if dtype == "fp8":
+            calls = [lambda q=q, r=r: fused_moe(x, q["w13"], q["w2"], *r, w13_scale=q["w13_scale"],
+                                                w2_scale=q["w2_scale"]) for q, r in zip(fp8_layers, routed)]
+        else:
+            calls = [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)]
+        block_m = choose_block_m(T * TOP_K, EXPERTS)
+        for gated in (True, False):
+            timed = []
+            for config in candidates(block_m, gated):
+                moe_kernels.choose_config = (lambda bm, N, K, g, fp8=False, c=config, want=gated:
+                                             c if g == want else default(bm, N, K, g, fp8))
+                try:
+                    timed.append((graph_seconds_per_call(calls, replays=10) * 1e6, config))
+                except Exception as e:  # a tile that does not compile (shared memory) is skipped, and said
+                    print(f"  T={T} gated={gated} {config}: {type(e).__name__}")
+                finally:
+                    moe_kernels.choose_config = default
+            timed.sort(key=lambda pair: pair[0])
+            base = default(block_m, INTERMEDIATE if gated else HIDDEN, HIDDEN if gated else INTERMEDIATE, gated,
+                           dtype == "fp8")
+            base_us = graph_seconds_per_call(calls, replays=10) * 1e6
+            print(f"{dtype} T={T:>5} {'gated' if gated else 'plain'}: default {base} {base_us:.1f} us; best "
+                  + "; ".join(f"{c} {us:.1f}" for us, c in timed[:3]), flush=True)
+            rows.append({"dtype": dtype, "T": T, "gated": gated, "default_us": base_us,
+                         "best": [(us, vars(c)) for us, c in timed[:3]]})
+    return rows
+
+
 def peer_seconds(T: int, layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
     """transformers' Qwen3MoeExperts (its per-expert loop, eager) on the same weights and routing."""
     from transformers import Qwen3MoeConfig
@@ -98,6 +147,7 @@ def peer_seconds(T: int, layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_kernel.json"))
+    parser.add_argument("--sweep", choices=("bf16", "fp8"), help="retune the GEMM tiles instead")
     args = parser.parse_args()
     torch.manual_seed(0)
     rate = copy_bandwidth()
@@ -106,6 +156,10 @@ def main() -> None:
                torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", dtype=DTYPE) / INTERMEDIATE**0.5)
               for _ in range(LAYERS)]
     fp8_layers = [quantized(w13, w2) for _, w13, w2 in layers]
+    if args.sweep:
+        with open(args.json, "w") as f:
+            json.dump(sweep(args.sweep, layers, fp8_layers), f, indent=1)
+        return
     rows = []
     for T in BATCHES:
         row = bench(T, layers, fp8_layers)

@@ -249,7 +249,7 @@ def choose_block_m(num_entries: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def choose_config(block_m: int, N: int, K: int, gated: bool) -> GemmConfig:
+def choose_config(block_m: int, N: int, K: int, gated: bool, fp8: bool = False) -> GemmConfig:
     """Tiles for an [entries, K] x [N, K]^T grouped GEMM at block_m rows per block.
 
     * 16-row blocks (decode): weight-bandwidth bound. Gated 32 columns (64 weight rows) x K steps of 128, 4
@@ -368,7 +368,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[to
     row scales `scale` where it is fp8."""
     sorted_ids, block_expert, num_padded = align
     N, K = out.shape[1], a.shape[1]
-    config = choose_config(block_m, N, K, gated)
+    config = choose_config(block_m, N, K, gated, scale is not None)
     num_row_blocks = block_expert.numel()
     grid = (num_row_blocks * triton.cdiv(N, config.block_n),)
     _moe_gemm_kernel[grid](
