@@ -76,20 +76,18 @@ def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
             "fp8_tbps": fp8_bytes / t_fp8 / 1e12, "fp8_rel_err_vs_math": errors[1]}
 
 
-def candidates(block_m: int, gated: bool, w8a8: bool) -> list[GemmConfig]:
+def candidates(block_m: int, gated: bool) -> list[GemmConfig]:
     """Tiles around the heuristic's: decode-sized blocks (16 rows) are weight-bandwidth bound (column and K tiles,
-    stages), prefill blocks are compute bound (tiles, warps, stages). W8A8's K step is its quantization group."""
+    stages), prefill blocks are compute bound (tiles and warps)."""
     if block_m <= 16:
-        return [GemmConfig(n, k, 4, st) for n in ((16, 32, 64) if gated else (64, 128))
-                for k in ((moe_kernels.W8A8_GROUP,) if w8a8 else (128, 256)) for st in (3, 4, 5)]
-    return [GemmConfig(n, k, w, st) for n in (64, 128) for k in ((moe_kernels.W8A8_GROUP,) if w8a8 else (64, 128))
-            for w in (4, 8) for st in ((3, 4) if w8a8 else (3,))]
+        return [GemmConfig(n, k, 4, st) for n in ((16, 32, 64) if gated else (64, 128)) for k in (128, 256)
+                for st in (3, 4, 5)]
+    return [GemmConfig(n, k, w, 3) for n in (64, 128) for k in (64, 128) for w in (4, 8)]
 
 
 def sweep(dtype: str, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[dict]) -> list:
-    """Per T and GEMM (fp8: W8A8, as a bf16 model runs it): each candidate's us per fused_moe call (graph
-    replays, as `bench` times them) with the other GEMM at `choose_config`'s tiles; prints the default and the
-    best three."""
+    """Per T and GEMM: each candidate's us per fused_moe call (graph replays, as `bench` times them) with the
+    other GEMM at `choose_config`'s tiles; prints the default and the best three."""
     default = moe_kernels.choose_config
     rows = []
     for T in BATCHES:
@@ -103,9 +101,9 @@ def sweep(dtype: str, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
         block_m = choose_block_m(T * TOP_K, EXPERTS)
         for gated in (True, False):
             timed = []
-            for config in candidates(block_m, gated, dtype == "fp8"):
-                moe_kernels.choose_config = (lambda bm, N, K, g, w8a8=False, c=config, want=gated:
-                                             c if g == want else default(bm, N, K, g, w8a8))
+            for config in candidates(block_m, gated):
+                moe_kernels.choose_config = (lambda bm, N, K, g, fp8=False, c=config, want=gated:
+                                             c if g == want else default(bm, N, K, g, fp8))
                 try:
                     timed.append((graph_seconds_per_call(calls, replays=10) * 1e6, config))
                 except Exception as e:  # a tile that does not compile (shared memory) is skipped, and said
@@ -171,8 +169,7 @@ def main() -> None:
     print(f"{device}  triton {triton.__version__}  torch {torch.__version__}  "
           f"copy (read + write) {rate / 1e12:.2f} TB/s")
     print("fused MoE, one Qwen3-30B-A3B layer's experts (bf16 activations, CUDA graphs, weights not L2-resident;"
-          " MB and % copy: the bf16 experts'; fp8: the same experts quantized per row, W8A8; errors: against the"
-          " PyTorch math, W8A16 for fp8)")
+          " MB and % copy: the bf16 experts'; fp8: the same experts quantized per row)")
     print("      T  experts     MB   route us   moe us   TB/s  % copy  rel err   fp8 us  fp8 TB/s  fp8 err"
           "  transformers us")
     for r in rows:

@@ -33,17 +33,6 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def to_e4m3_range(v, FP8_MAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    """float32 v (a value over its scale) clamped to +-448, NaN kept, ready for `.to(float8e4nv)`; rounded to
-    e4m3 first in float32 under the CPU interpreter (ROUND_FIRST). The MoE GEMM (kernels/moe.py) shares it."""
-    v = tl.minimum(tl.maximum(v, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
-    if ROUND_FIRST:
-        v = _round_to_e4m3(v)
-    return v
-
-
-@triton.jit
 def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, FP8_MAX: tl.constexpr,
                                MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr,
                                USE_PDL: tl.constexpr):
@@ -64,7 +53,11 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, FP8_MAX: tl
     for start in range(0, K, BLOCK):
         mask = start + offs < K
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = to_e4m3_range(tl.math.div_rn(x, scale), FP8_MAX, ROUND_FIRST)  # IEEE divisions, as PyTorch's
+        q = tl.math.div_rn(x, scale)  # IEEE divisions (here and for the scale), as PyTorch's
+        q = tl.minimum(tl.maximum(q, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                       propagate_nan=tl.PropagateNan.ALL)
+        if ROUND_FIRST:
+            q = _round_to_e4m3(q)
         tl.store(q_ptr + row * K + start + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

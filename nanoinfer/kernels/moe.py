@@ -25,11 +25,8 @@ it waits on the host every layer and cannot be captured. Here:
 * Before all of it, `topk_softmax` routes each token in one program (softmax, top-k, renormalisation), where the
   PyTorch ops took six launches a layer.
 
-fp8 experts (`quantization="fp8"`), each product scaled by its weight row's scale in the epilogue:
-* in a bfloat16 model, W8A8: the GEMM quantizes each row of A to fp8 as it loads it, one scale per group of
-  W8A8_GROUP (128) columns (its largest magnitude mapped to 448, the dense layers' rounding), multiplies fp8 by
-  fp8 on the tensor cores and scales each K step's product by the group's scale (`uses_w8a8`);
-* in float16 and float32 models, W8A16: the weights are converted to the activations' dtype as loaded.
+fp8 experts (`quantization="fp8"`) are converted to the activations' dtype as the GEMM loads them, each product
+scaled by its weight row's scale in the epilogue (weight-only, as the skinny kernel's).
 
 Launch parameters are pure functions of host ints (`choose_block_m`, `choose_config`; no autotuning, which
 would re-tune inside CUDA-graph capture): 16-row blocks when experts see few rows each (decode), 64 when they
@@ -48,13 +45,10 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels import INTERPRETER
-from nanoinfer.kernels.fp8 import to_e4m3_range
-from nanoinfer.layers.fp8 import FP8_MAX, MIN_SCALE
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _SUM_BLOCK = 1024
-W8A8_GROUP = 128  # activations' fp8 quantization group along K (fewer where K < 128: one group)
 _GROUP_M = 8  # row blocks that walk the column tiles together (their A rows and weight tiles stay in L2)
 
 
@@ -255,7 +249,7 @@ def choose_block_m(num_entries: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
-def choose_config(block_m: int, N: int, K: int, gated: bool, w8a8: bool = False) -> GemmConfig:
+def choose_config(block_m: int, N: int, K: int, gated: bool, fp8: bool = False) -> GemmConfig:
     """Tiles for an [entries, K] x [N, K]^T grouped GEMM at block_m rows per block.
 
     * 16-row blocks (decode): weight-bandwidth bound. Gated 32 columns (64 weight rows) x K steps of 128, 4
@@ -265,43 +259,17 @@ def choose_config(block_m: int, N: int, K: int, gated: bool, w8a8: bool = False)
     * 32- and 64-row blocks (prefill): gated 64 x 64, plain 128 x 64, 3 stages, 4 warps: the best of 4-7
       candidates at T = 512, 1024, 2048 and 8192 (8 warps lost 10-20%). 128-row blocks were 5-10% faster at
       T = 8192 only.
-    * W8A8 (fp8 experts in a bf16 model): K steps of W8A8_GROUP, the activations' quantization group.
     Each block size is clamped to the problem (at least 16, tl.dot's smallest)."""
     if block_m <= 16:
-        block_n, block_k, num_warps, num_stages = (32, 128, 4, 4) if gated else ((64 if w8a8 else 128), 128, 4, 3)
+        block_n, block_k, num_warps, num_stages = (32, 128, 4, 4) if gated else (128, 128, 4, 3)
     else:
         block_n, block_k, num_warps, num_stages = (64 if gated else 128), 64, 4, 3
-    if w8a8:
-        block_k = W8A8_GROUP
     block_n = min(block_n, max(16, triton.next_power_of_2(N)))
     block_k = min(block_k, max(16, triton.next_power_of_2(K)))
     return GemmConfig(block_n, block_k, num_warps, num_stages)
 
 
-def uses_w8a8(a: torch.Tensor, scale: torch.Tensor | None) -> bool:
-    """fp8 experts in a bfloat16 model multiply on the fp8 tensor cores (W8A8, vLLM's dynamic per-token-group
-    scheme): converting each fp8 weight to bf16 as loaded bounded the W8A16 GEMM by instructions, not bytes
-    (on an H200 it read 2.8 TB/s at T = 64 and was slower than bf16 at T = 1). float16 and float32 models keep
-    W8A16, as the dense layers do."""
-    return scale is not None and a.dtype == torch.bfloat16
-
-
 # ----- kernel -----
-
-
-@triton.jit
-def _dot_step(acc, a, w, a_scale, QUANTIZE_A: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ w for one K step: fp8 x fp8 on the tensor cores scaled by A's group scales (W8A8), or w
-    converted to a's dtype (fp8 or 16-bit weights in a 16-bit or float32 model)."""
-    if not QUANTIZE_A:
-        w = w.to(a.dtype)
-    if UPCAST:
-        a = a.to(tl.float32)
-        w = w.to(tl.float32)
-    # "ieee" keeps fp32 inputs exact (no TF32); it is ignored for 8- and 16-bit inputs.
-    if QUANTIZE_A:
-        return acc + tl.dot(a, w, input_precision="ieee") * a_scale[:, None]
-    return tl.dot(a, w, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -326,15 +294,12 @@ def _moe_gemm_kernel(
     ENTRIES_PER_ROW: tl.constexpr,  # k for x (entry // k is the token), 1 for the intermediate
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    HAS_SCALE: tl.constexpr,  # fp8 weights: their row scales in the epilogue
-    QUANTIZE_A: tl.constexpr,  # fp8 weights, W8A8: A quantized per BLOCK_K group as loaded (else W8A16: W converted)
+    HAS_SCALE: tl.constexpr,  # fp8 weights: converted to A's dtype as loaded, their row scales in the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 and fp8 dots are wrong
-    FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
 ):
     # Grouped order: GROUP_M row blocks walk the column tiles together. Unused blocks are the last row blocks,
     # hence the last programs.
@@ -364,17 +329,22 @@ def _moe_gemm_kernel(
     for k in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        a_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)  # W8A8 only: this K group's scale per row
         w_mask = mask_k[:, None] & mask_n[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if QUANTIZE_A:  # this BLOCK_K group of each row to fp8, its largest magnitude mapped to 448
-            a_f = a.to(tl.float32)
-            a_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(a_f), axis=1), FP8_MAX), MIN_SCALE)
-            a = to_e4m3_range(tl.math.div_rn(a_f, a_scale[:, None]), FP8_MAX, UPCAST).to(w.dtype)
-        acc = _dot_step(acc, a, w, a_scale, QUANTIZE_A, UPCAST)
+        if HAS_SCALE:
+            w = w.to(a.dtype)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        # "ieee" keeps fp32 inputs exact (no TF32); it is ignored for 16-bit inputs.
+        acc = tl.dot(a, w, acc, input_precision="ieee")
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = _dot_step(acc_up, a, w_up, a_scale, QUANTIZE_A, UPCAST)
+            if HAS_SCALE:
+                w_up = w_up.to(a.dtype)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -398,8 +368,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[to
     row scales `scale` where it is fp8."""
     sorted_ids, block_expert, num_padded = align
     N, K = out.shape[1], a.shape[1]
-    w8a8 = uses_w8a8(a, scale)
-    config = choose_config(block_m, N, K, gated, w8a8)
+    config = choose_config(block_m, N, K, gated, scale is not None)
     num_row_blocks = block_expert.numel()
     grid = (num_row_blocks * triton.cdiv(N, config.block_n),)
     _moe_gemm_kernel[grid](
@@ -407,8 +376,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[to
         out.shape[0], num_row_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         0 if scale is None else scale.stride(0),
         ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, HAS_SCALE=scale is not None,
-        QUANTIZE_A=w8a8, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, GROUP_M=_GROUP_M, UPCAST=INTERPRETER, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=_GROUP_M, UPCAST=INTERPRETER,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
