@@ -291,6 +291,8 @@ def test_launch_heuristic() -> None:
                 assert block >= 16 and block & (block - 1) == 0
             assert c.block_n <= max(16, 2 * N) and c.block_k <= max(16, 2 * K)
             assert c.num_warps in (2, 4, 8) and 2 <= c.num_stages <= 5
+            fp8 = km.choose_config(block_m, N, K, gated, fp8=True)
+            assert fp8.block_k == c.block_k and fp8.block_n <= c.block_n  # narrower plain tiles at decode only
 
 
 def test_supports() -> None:
@@ -347,17 +349,22 @@ def test_bad_inputs_raise(what, match) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replays_new_routings_at_qwen3_30b_a3b_shape() -> None:
-    """Qwen3-30B-A3B's experts (H = 2048, I = 768, E = 128, k = 8, bf16) at T = 8, captured once in a CUDA
-    graph (the routing layout included: no host synchronisation) and replayed with new inputs and routings
-    copied into the captured tensors; each replay matches the math."""
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_graph_replays_new_routings_at_qwen3_30b_a3b_shape(fp8: bool) -> None:
+    """Qwen3-30B-A3B's experts (H = 2048, I = 768, E = 128, k = 8, bf16; or fp8 with row scales) at T = 8,
+    captured once in a CUDA graph (the routing layout included: no host synchronisation) and replayed with new
+    inputs and routings copied into the captured tensors; each replay matches the math."""
     T, H, I, E, k = 8, 2048, 768, 128, 8
     x, w13, w2 = make_experts(T, H, I, E, torch.bfloat16, seed=5)
+    scales = (None, None)
+    if fp8:
+        w13, scale13, w2, scale2 = quantized_experts(w13, w2)
+        scales = (scale13, scale2)
     weights, ids = make_routing(T, E, k, seed=5)
-    check_kernel(x, w13, w2, weights, ids)  # eager: compiles the kernels before capture
+    check_kernel(x, w13, w2, weights, ids, *scales)  # eager: compiles the kernels before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = km.fused_moe(x, w13, w2, weights, ids)
+        out = km.fused_moe(x, w13, w2, weights, ids, None, *scales)
     for seed in (6, 7, 8):
         new_x, _, _ = make_experts(T, H, 1, 1, torch.bfloat16, seed=seed)
         new_weights, new_ids = make_routing(T, E, k, seed=seed)
@@ -368,7 +375,7 @@ def test_cuda_graph_replays_new_routings_at_qwen3_30b_a3b_shape() -> None:
         ids.copy_(new_ids)
         graph.replay()
         torch.cuda.synchronize()
-        ref = fused_moe_math(x, w13, w2, weights, ids)
+        ref = fused_moe_math(x, w13, w2, weights, ids, *scales)
         assert ((out.double() - ref.double()).norm() / ref.double().norm()).item() < REL_TOL[torch.bfloat16]
         torch.testing.assert_close(out.double(), ref.double(), rtol=ELEM_TOL[torch.bfloat16],
                                    atol=ELEM_TOL[torch.bfloat16] * ref.double().abs().max().item())

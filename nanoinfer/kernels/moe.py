@@ -259,9 +259,12 @@ def choose_config(block_m: int, N: int, K: int, gated: bool, fp8: bool = False) 
     * 32- and 64-row blocks (prefill): gated 64 x 64, plain 128 x 64, 3 stages, 4 warps: the best of 4-7
       candidates at T = 512, 1024, 2048 and 8192 (8 warps lost 10-20%). 128-row blocks were 5-10% faster at
       T = 8192 only.
+    * fp8 weights (converted as loaded): the same tiles, but 64 columns for the plain GEMM at 16-row blocks,
+      1-2.5 us faster per call at T = 1..256 (the best of 6-18 candidates each, `bench/moe_kernel.py --sweep
+      fp8`; none of the others, K steps of 256 included, moved the gated GEMM by more than 1%).
     Each block size is clamped to the problem (at least 16, tl.dot's smallest)."""
     if block_m <= 16:
-        block_n, block_k, num_warps, num_stages = (32, 128, 4, 4) if gated else (128, 128, 4, 3)
+        block_n, block_k, num_warps, num_stages = (32, 128, 4, 4) if gated else ((64 if fp8 else 128), 128, 4, 3)
     else:
         block_n, block_k, num_warps, num_stages = (64 if gated else 128), 64, 4, 3
     block_n = min(block_n, max(16, triton.next_power_of_2(N)))
