@@ -10,15 +10,21 @@ figures in bench/RESULTS.md (fp8 decode under the 128-register cap: 874 instruct
 This is how the fp8 decode kernel's byte-wise V loads were found (bench/NOTES.md): 128 `LDS.U8` per thread per
 64-token step. Instruction counts are not times; measure on the GPU before believing a change.
 
+`--moe T` compiles the fused MoE's two grouped GEMMs instead, as Qwen3-30B-A3B launches them at T tokens
+(`--fp8-experts`; `--bf16-activations`: the fp8 GEMM on bfloat16 activations, as before 2026-11-29 18:30): how the
+conversion of fp8 experts to bfloat16 (64 F2F and 32 PRMT per thread per K step) was found.
+
     python bench/sass.py [--kv-cache-dtype fp8] [--token-major-v] [--prefill] [--batch 16]
                          [--num-splits 4] [--balance-programs 1056] [--block-n 128] [--num-warps 4]
                          [--num-stages 5] [--maxnreg 128] [--top 30]
+    python bench/sass.py --moe 1 [--fp8-experts [--bf16-activations]]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import re
 import subprocess
@@ -130,6 +136,37 @@ def attention_report(cache_dtype: torch.dtype, *, prefill: bool = False, token_m
     return report(compile_for_sm90(kernel, args, kwargs, maxnreg=maxnreg))
 
 
+def moe_reports(fp8: bool, tokens: int, fp16_activations: bool = True) -> dict[str, Report]:
+    """The fused MoE's two grouped GEMMs (kernels/moe.py) as a Qwen3-30B-A3B layer launches them at `tokens`
+    tokens (H = 2048, I = 768, k = 8; 8 experts stand for its 128: the tiles depend on T, k and E through the
+    block size, which is computed for 128), bf16 activations, fp8 or bf16 experts; the small kernels around them
+    are not run. fp16_activations=False compiles the fp8 gated GEMM alone on the bf16 x (the conversion to
+    bfloat16 that 25035fd ran)."""
+    from nanoinfer.kernels import moe as km
+
+    H, I, E, k = 2048, 768, 8, 8
+    x = torch.zeros(tokens, H, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
+    scales = (None, None)
+    if fp8:
+        w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
+        scales = (torch.ones(E, 2 * I), torch.ones(E, H))
+    ids = torch.arange(tokens * k, dtype=torch.int32).view(tokens, k) % E
+    calls = []
+    kernels = [getattr(km, name) for name in dir(km) if name.endswith("_kernel")]
+    block_m = km.choose_block_m(tokens * k, 128)
+    with contextlib.ExitStack() as stack:
+        for kernel in kernels:
+            stack.enter_context(mock.patch.object(kernel, "run", lambda *a, _k=kernel, **kw: calls.append((_k, a, kw))))
+        stack.enter_context(mock.patch.object(km, "choose_block_m", lambda entries, experts: block_m))
+        km.fused_moe(x, w13, w2, torch.ones(tokens, k), ids, None, *scales)
+    gemms = [(args, kwargs) for kernel, args, kwargs in calls if kernel is km._moe_gemm_kernel]
+    if not fp16_activations:
+        gemms = [(tuple(x if i == 0 else a for i, a in enumerate(args)), kwargs) for args, kwargs in gemms[:1]]
+    return {name: report(compile_for_sm90(km._moe_gemm_kernel, args, kwargs))
+            for name, (args, kwargs) in zip(("gated", "plain"), gemms)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16")
@@ -143,18 +180,29 @@ def main() -> None:
     p.add_argument("--num-stages", type=int)
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--top", type=int, default=25, help="opcodes shown per loop")
+    p.add_argument("--moe", type=int, metavar="T",
+                   help="the fused MoE's two GEMMs at T tokens instead (Qwen3-30B-A3B's shape, bf16 activations)")
+    p.add_argument("--fp8-experts", action="store_true", help="with --moe: fp8 experts")
+    p.add_argument("--bf16-activations", action="store_true",
+                   help="with --moe --fp8-experts: the gated GEMM on bfloat16 activations (the old conversion)")
     args = p.parse_args()
+    if args.moe:
+        reports = moe_reports(args.fp8_experts, args.moe, not args.bf16_activations)
+    else:
+        reports = {"attention": None}
     overrides = {k: v for k, v in (("block_n", args.block_n), ("num_warps", args.num_warps),
                                    ("num_stages", args.num_stages), ("num_splits", args.num_splits),
                                    ("balance_programs", args.balance_programs)) if v is not None}
     dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
-    r = attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v, maxnreg=args.maxnreg,
-                         batch=args.batch, **overrides)
-    print(f"triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
-          f"{r.shared_bytes} B shared memory")
-    for i, loop in enumerate(r.loops):
-        top = collections.Counter(loop).most_common(args.top)
-        print(f"loop {i}: {len(loop)} instructions: " + ", ".join(f"{n} {op}" for op, n in top))
+    if not args.moe:
+        reports["attention"] = attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v,
+                                                maxnreg=args.maxnreg, batch=args.batch, **overrides)
+    for name, r in reports.items():
+        print(f"{name}: triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
+              f"{r.shared_bytes} B shared memory")
+        for i, loop in enumerate(r.loops):
+            top = collections.Counter(loop).most_common(args.top)
+            print(f"  loop {i}: {len(loop)} instructions: " + ", ".join(f"{n} {op}" for op, n in top))
 
 
 if __name__ == "__main__":

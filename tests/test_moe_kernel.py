@@ -74,6 +74,23 @@ def test_kernel_matches_math(dtype, T, H, I, E, k) -> None:
 
 
 @kernel_test
+def test_fp8_experts_in_bf16_saturate_at_float16_range() -> None:
+    """A bfloat16 x multiplies fp8 experts in float16: x (here with strided rows) converted once, the intermediate
+    stored in float16. A token whose activations pass 65504 (and then its intermediate) is saturated, not inf:
+    its output stays finite, and the other tokens' equal the math."""
+    T, H, I, E, k = 5, 96, 48, 8, 4
+    x, w13, w2 = make_experts(T, H + 16, I, E, torch.bfloat16, seed=7)
+    x, w13, w2 = x[:, :H], w13[:, :, :H].contiguous(), w2[:, :H].contiguous()
+    x[0] *= 3e5
+    q13, s13, q2, s2 = quantized_experts(w13, w2)
+    weights, ids = make_routing(T, E, k, seed=7)
+    out = km.fused_moe(x, q13, q2, weights, ids, None, s13, s2)
+    assert x.stride(0) == H + 16 and torch.isfinite(out[0].float()).all() and out[0].abs().max() > 1e3
+    check_kernel(x[1:], q13, q2, weights[1:], ids[1:], s13, s2)
+    torch.testing.assert_close(out[1:], km.fused_moe(x[1:], q13, q2, weights[1:], ids[1:], None, s13, s2))
+
+
+@kernel_test
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_experts_without_tokens_and_one_expert_for_all(dtype) -> None:
     """Routings the softmax rarely draws: experts 4..7 of 8 get nothing; every token's first choice is expert

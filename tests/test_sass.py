@@ -30,3 +30,17 @@ def test_fp8_decode_reads_v_from_shared_memory_without_byte_loads():
     assert sum(loop.count("LDS.U8") for loop in engine.loops) == 0
     assert sum(loop.count("LDS.U8") for loop in token_major.loops) >= 64
     assert engine.spill_bytes == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 1024])
+def test_fp8_experts_convert_each_weight_pair_in_one_instruction(tokens):
+    """The fused MoE's GEMMs on fp8 experts in a bf16 model multiply in float16, so each pair of e4m3 weights
+    becomes float16 in one F2FP; on bfloat16 activations every value took an F2F more (and a PRMT per pair),
+    which bound the GEMM by conversions, not bytes (bench/NOTES.md, 2026-11-29)."""
+    for name, report in sass.moe_reports(fp8=True, tokens=tokens).items():
+        loop = max(report.loops, key=len)
+        assert sum(op.startswith("F2FP.F16.E4M3") for op in loop) >= 16, name
+        assert not any(op.startswith("F2F.") for op in loop), name
+        assert report.spill_bytes == 0, name
+    bf16 = max(sass.moe_reports(fp8=True, tokens=tokens, fp16_activations=False)["gated"].loops, key=len)
+    assert sum(op.startswith("F2F.BF16") for op in bf16) >= 32  # what this test guards against

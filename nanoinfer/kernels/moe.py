@@ -26,7 +26,13 @@ it waits on the host every layer and cannot be captured. Here:
   PyTorch ops took six launches a layer.
 
 fp8 experts (`quantization="fp8"`) are converted to the activations' dtype as the GEMM loads them, each product
-scaled by its weight row's scale in the epilogue (weight-only, as the skinny kernel's).
+scaled by its weight row's scale in the epilogue (weight-only, as the skinny kernel's). In a bfloat16 model the
+GEMMs multiply in float16: x is converted once per call (exact for magnitudes from 2^-14 to 65504, saturated
+beyond), the intermediate is stored in float16 (saturated, more precise than bfloat16), and each weight goes from
+e4m3 to float16 in one conversion per two values. Converting e4m3 to bfloat16 costs a second conversion per
+value (F2F on Hopper, a quarter-rate unit): the GEMM was then bound by conversions (fp8 read at 2.9 TB/s at most
+on an H200, where bf16 weights read 4.2; 289 instructions in the decode tile's K loop against 195, counted
+offline for sm_90).
 
 Launch parameters are pure functions of host ints (`choose_block_m`, `choose_config`; no autotuning, which
 would re-tune inside CUDA-graph capture): 16-row blocks when experts see few rows each (decode), 64 when they
@@ -187,6 +193,23 @@ def _sum_topk_kernel(buf_ptr, out_ptr, H, stride_out, TOP_K: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _saturate_float16(v):
+    """float32 v clamped to float16's finite range (NaN kept), so that its conversion cannot overflow to inf."""
+    return tl.minimum(tl.maximum(v, -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _to_float16_kernel(x_ptr, out_ptr, H, stride_x, BLOCK: tl.constexpr):
+    """out [T, H] float16 = x [T, H] saturated to float16's range (exact for bfloat16 x from 2^-14 to 65504)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * H + cols, _saturate_float16(x).to(tl.float16), mask=mask)
+
+
+@triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_t, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                          E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     """One token's router: softmax over its E logits in float32, its TOP_K largest probabilities (the
@@ -297,6 +320,7 @@ def _moe_gemm_kernel(
     ENTRIES_PER_ROW: tl.constexpr,  # k for x (entry // k is the token), 1 for the intermediate
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    SATURATE: tl.constexpr,  # a float16 output: clamped to its range, so it cannot overflow
     HAS_SCALE: tl.constexpr,  # fp8 weights: converted to A's dtype as loaded, their row scales in the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -360,6 +384,8 @@ def _moe_gemm_kernel(
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + entries, mask=mask_m, other=0.0)[:, None]
+    if SATURATE:
+        acc = _saturate_float16(acc)
     out_ptrs = out_ptr + entries.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -378,7 +404,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[to
         a, w, out, sorted_ids, block_expert, num_padded, weights, weights if scale is None else scale, N, K,
         out.shape[0], num_row_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         0 if scale is None else scale.stride(0),
-        ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, HAS_SCALE=scale is not None,
+        ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, SATURATE=out.dtype == torch.float16,
+        HAS_SCALE=scale is not None,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=_GROUP_M, UPCAST=INTERPRETER,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -418,8 +445,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     dtype, where w13[e] = [G_e; U_e] and w2[e] = D_e (`fused_moe_math`'s semantics). topk_ids must lie in
     [0, E) (not checked: that would synchronise). With `residual` [T, H] (x's dtype): the sum is added to it in
     place, in float32 and rounded once, and `residual` returned. fp8 weights (`w13_scale`, `w2_scale`: float32
-    row scales) are converted to x's dtype as they are loaded, and each product scaled by its row's scale in
-    float32 (weight-only fp8, as the skinny kernel's)."""
+    row scales) are converted to x's dtype as they are loaded (float16 for a bfloat16 x), and each product scaled
+    by its row's scale in float32 (weight-only fp8, as the skinny kernel's)."""
     if not supports(x, w13, w2, w13_scale, w2_scale):
         raise ValueError(f"fused_moe kernel: unsupported x {tuple(x.shape)} {x.dtype} stride {x.stride()} on "
                          f"{x.device}, w13 {tuple(w13.shape)} {w13.dtype} stride {w13.stride()} on {w13.device}, "
@@ -450,8 +477,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     block_m = choose_block_m(num_entries, E)
     align = moe_align(topk_ids, E, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    hidden = torch.empty((num_entries, intermediate), dtype=x.dtype, device=x.device)
-    _launch(x, w13, hidden, align, weights, top_k, block_m, gated=True, scale=w13_scale)
+    a = x
+    if w13_scale is not None and x.dtype == torch.bfloat16:  # fp8 experts multiply in float16 (module docstring)
+        a = torch.empty((T, H), dtype=torch.float16, device=x.device)
+        block = min(_SUM_BLOCK, triton.next_power_of_2(H))
+        _to_float16_kernel[(T, triton.cdiv(H, block))](x, a, H, x.stride(0), BLOCK=block, num_warps=4)
+    hidden = torch.empty((num_entries, intermediate), dtype=a.dtype, device=x.device)
+    _launch(a, w13, hidden, align, weights, top_k, block_m, gated=True, scale=w13_scale)
     buf = torch.empty((num_entries, H), dtype=torch.float32, device=x.device)
     _launch(hidden, w2, buf, align, weights, 1, block_m, gated=False, scale=w2_scale)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device) if residual is None else residual
