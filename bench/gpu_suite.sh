@@ -3,7 +3,7 @@
 # latency benchmarks, and the serving benchmark (500 requests of 512 in / 128 out at 16 req/s and
 # all at once). Each command has its own time limit (killed with SIGABRT, so faulthandler shows
 # where it was); logs go to $OUT unpiped.
-#   bash bench/gpu_suite.sh [all|tests|kernel_tests|bench|serving|profile|kernels|mixes|moe]
+#   bash bench/gpu_suite.sh [all|tests|kernel_tests|bench|serving|profile|kernels|mixes|moe|moe_fp8]
 # The serving part needs fastapi, uvicorn, pyzmq and pydantic (carried as wheels on the device
 # machine) and a tokenizer folder for the dummy model: TOKENIZER (default .tok, SmolLM2's files): bench/carry.sh
 # prepares both, and the embedded model for the SmolLM2 test.
@@ -36,7 +36,7 @@ if [ "$what" = mixes ]; then  # not part of "all": prefill tiles and fp8 / bf16 
   run 150 kernels_decode_mix_bf16 python3 bench/kernels.py --decode-mix --json "$OUT/decode_mix_bf16.json"
   grep -E "step [0-9]+:" "$OUT/kernels_decode_mix_bf16.log" | cut -c1-220
 fi
-if [ "$what" = moe ]; then  # not part of "all" (a call of its own): mixture of experts: the fused MoE kernel's
+if [ "$what" = moe ]; then  # not part of "all" (a call of its own, ~7 min): mixture of experts: the fused MoE kernel's
   # tests, the engine's greedy tokens against the PyTorch path (Qwen3-30B-A3B's shape cut to 4 layers), and the
   # full 30B-A3B shape's workload and single stream (dummy weights, 61 GB in bf16)
   run 400 gpu_moe_tests python3 -X faulthandler -m pytest -m "gpu or not gpu" tests/test_moe_kernel.py \
@@ -47,6 +47,9 @@ if [ "$what" = moe ]; then  # not part of "all" (a call of its own): mixture of 
     --max-model-len 2048 --no-tqdm --step-stats --json-out "$OUT/results.jsonl" ${MOE_THROUGHPUT_ARGS:-}
   run 200 moe_latency python3 -X faulthandler bench/latency.py --model nanoinfer/configs/qwen3-30b-a3b.json \
     --max-model-len 2048 --json-out "$OUT/results.jsonl"
+fi
+if [ "$what" = moe_fp8 ]; then  # not part of "all" (a call of its own, ~5 min: each run quantizes 61 GB of experts
+  # at load): the 30B-A3B shape with fp8 weights (`moe` alone took 10 min with these: past a call's limit)
   run 200 moe_latency_fp8 python3 -X faulthandler bench/latency.py --model nanoinfer/configs/qwen3-30b-a3b.json \
     --max-model-len 2048 --quantization fp8 --json-out "$OUT/results.jsonl"
   run 300 moe_throughput_fp8 python3 -X faulthandler bench/throughput.py --model nanoinfer/configs/qwen3-30b-a3b.json \
