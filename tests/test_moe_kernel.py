@@ -260,22 +260,29 @@ def check_align(ids: torch.Tensor, E: int, block_m: int) -> None:
 
 @kernel_test
 @pytest.mark.parametrize("T,k,E,block_m", [(1, 1, 4, 16), (3, 2, 8, 16), (17, 4, 8, 16), (64, 2, 4, 16),
-                                           (64, 4, 8, 64), (40, 8, 128, 16), (200, 2, 8, 32), (5, 3, 200, 16)])
+                                           (64, 4, 8, 64), (40, 8, 128, 16), (200, 2, 8, 32), (5, 3, 200, 16),
+                                           (8, 8, 128, 16)])
 def test_moe_align_random_routing(T, k, E, block_m) -> None:
     """Random top-k routings, most with empty experts; 40 x 8 entries over 128 experts are 10 chunks of 32 (the
-    entries of earlier chunks count towards a chunk's positions); 200 experts pad to 256 (16-entry steps)."""
+    entries of earlier chunks count towards a chunk's positions); 200 experts pad to 256 (16-entry steps); up to
+    64 entries (1 x 1, 3 x 2, 5 x 3, 8 x 8) in one launch."""
     _, ids = make_routing(T, E, k, seed=T * E)
     check_align(ids, E, block_m)
 
 
 @kernel_test
-@pytest.mark.parametrize("step,programs", [(16, 3), (16, 128)], ids=["multi_step_chunks", "one_step_chunks"])
-def test_moe_align_empty_and_crowded_experts(monkeypatch, step, programs) -> None:
+@pytest.mark.parametrize("step,programs,one_launch", [(16, 3, 0), (16, 128, 0), (16, 3, 64)],
+                         ids=["multi_step_chunks", "one_step_chunks", "one_launch"])
+def test_moe_align_empty_and_crowded_experts(monkeypatch, step, programs, one_launch) -> None:
     """Experts with no entries at the start, middle and end; one expert taking every token; runs of exactly
     block_m entries (no padding) and of block_m + 1; no entries. With 16-entry steps, in chunks (and slices of
-    the layout) of several steps or of one."""
+    the layout) of several steps or of one; or, up to 64 entries (all of these), in one launch whose programs
+    count the entries themselves (the count kernel is never launched)."""
     monkeypatch.setattr(km, "_ALIGN_MAX_STEP", step)
     monkeypatch.setattr(km, "_ALIGN_PROGRAMS", programs)
+    monkeypatch.setattr(km, "_ALIGN_ONE_LAUNCH_ENTRIES", one_launch)
+    if one_launch:
+        monkeypatch.setattr(km, "_count_kernel", None)
     g = torch.Generator().manual_seed(4)
     ids = torch.stack([torch.randperm(3, generator=g)[:2] + 2 for _ in range(30)]).to(DEVICE)  # experts 2..4 of 8
     check_align(ids, 8, 16)

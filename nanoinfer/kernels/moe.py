@@ -8,7 +8,8 @@ it waits on the host every layer and cannot be captured. Here:
   BLOCK_M, so every BLOCK_M-row block of the sorted layout belongs to one expert. Its outputs have sizes that
   depend on T, k, E and BLOCK_M alone (an upper bound on the padded length); how many blocks are used is a
   device tensor that the GEMM programs read. Two small Triton kernels (per-chunk expert counts; then each
-  entry's position from the counts before it, and the padding): 5-7 us at decode in a CUDA graph on an H200,
+  entry's position from the counts before it, and the padding; up to 8 tokens at k = 8, the second kernel
+  alone, counting the few entries itself): 5-7 us at decode in a CUDA graph on an H200 with both kernels,
   where the same done with torch ops (sort, searchsorted, cumsum, scatter: about twenty launches) took 40-60,
   more than the expert GEMMs of a one-token batch.
 * `_moe_gemm_kernel` runs one program per (row block, column tile). It gathers its block's rows of A by entry
@@ -84,22 +85,29 @@ def _count_kernel(ids_ptr, counts_ptr, num_entries, chunk_len, STEP: tl.constexp
 @triton.jit
 def _align_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, num_entries, num_experts,
                   num_chunks, chunk_len, size, slice_len, BLOCK_M: tl.constexpr, STEP: tl.constexpr,
-                  E_PAD: tl.constexpr, ROWS: tl.constexpr):
+                  E_PAD: tl.constexpr, ROWS: tl.constexpr, SELF_COUNT: tl.constexpr):
     """Programs 0 .. num_chunks - 1 place their chunk's entries; the others each fill a slice_len-long slice of
     the padded layout's padding and the experts of the blocks starting in it. Every position of sorted_ids and
-    block_expert is written by exactly one program (no atomics, no order between programs)."""
+    block_expert is written by exactly one program (no atomics, no order between programs). SELF_COUNT (one
+    chunk of a few entries): every program counts them itself, and `_count_kernel` is not launched."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     # Each expert's total, and how many of its entries the chunks before this one hold (at most ~128 chunks:
     # every program reads all their counts).
     totals = tl.zeros((E_PAD,), dtype=tl.int32)
     before = tl.zeros((E_PAD,), dtype=tl.int32)
-    for r in range(0, num_chunks, ROWS):
-        rows = r + tl.arange(0, ROWS)
-        counts = tl.load(counts_ptr + rows[:, None] * E_PAD + experts[None, :], mask=rows[:, None] < num_chunks,
-                         other=0)
-        totals += tl.sum(counts, axis=0)
-        before += tl.sum(tl.where(rows[:, None] < pid, counts, 0), axis=0)
+    if SELF_COUNT:
+        for start in range(0, num_entries, STEP):
+            idx = start + tl.arange(0, STEP)
+            ids = tl.load(ids_ptr + idx, mask=idx < num_entries, other=-1).to(tl.int32)
+            totals += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    else:
+        for r in range(0, num_chunks, ROWS):
+            rows = r + tl.arange(0, ROWS)
+            counts = tl.load(counts_ptr + rows[:, None] * E_PAD + experts[None, :],
+                             mask=rows[:, None] < num_chunks, other=0)
+            totals += tl.sum(counts, axis=0)
+            before += tl.sum(tl.where(rows[:, None] < pid, counts, 0), axis=0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -141,6 +149,9 @@ _ALIGN_ELEMENTS = 4096
 _ALIGN_MAX_STEP = 32
 _ALIGN_PROGRAMS = 128  # at most this many chunks of entries, and as many slices of positions
 _ALIGN_NUM_WARPS = 4
+# Up to this many entries (decode batches of up to 8 tokens at k = 8) one chunk holds them all and the align
+# kernel's programs count them themselves: one launch instead of two.
+_ALIGN_ONE_LAUNCH_ENTRIES = 64
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -148,8 +159,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """The entries e = t * k + j of topk_ids [T, k] grouped by expert, each expert's run padded to a multiple of
     block_m: (sorted_ids int32 [P], padding entries = T * k; block_expert int32 [P // block_m], the expert of
     each used block (blocks past the used ones hold E - 1); num_padded int32 [1], the used length), with
-    P = `padded_size`. Entries of one expert keep their order. Two launches of static grids and no host
-    synchronisation: CUDA graphs capture it."""
+    P = `padded_size`. Entries of one expert keep their order. Two launches of static grids (one for up to
+    _ALIGN_ONE_LAUNCH_ENTRIES entries) and no host synchronisation: CUDA graphs capture it."""
     device = topk_ids.device
     ids = topk_ids.reshape(-1)
     num_entries = ids.numel()
@@ -159,19 +170,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
         return empty, empty, torch.zeros((1,), dtype=torch.int32, device=device)
     e_pad = max(16, triton.next_power_of_2(num_experts))
     step = max(16, min(_ALIGN_MAX_STEP, _ALIGN_ELEMENTS // e_pad))
-    chunk_len = triton.cdiv(triton.cdiv(num_entries, step), _ALIGN_PROGRAMS) * step
+    self_count = num_entries <= _ALIGN_ONE_LAUNCH_ENTRIES
+    chunk_len = triton.cdiv(triton.cdiv(num_entries, step), 1 if self_count else _ALIGN_PROGRAMS) * step
     slice_len = triton.cdiv(triton.cdiv(size, step), _ALIGN_PROGRAMS) * step
     num_chunks = triton.cdiv(num_entries, chunk_len)
-    counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
     sorted_ids = torch.empty((size,), dtype=torch.int32, device=device)
     block_expert = torch.empty((size // block_m,), dtype=torch.int32, device=device)
     num_padded = torch.empty((1,), dtype=torch.int32, device=device)
-    _count_kernel[(num_chunks,)](ids, counts, num_entries, chunk_len, STEP=step, E_PAD=e_pad,
-                                 num_warps=_ALIGN_NUM_WARPS)
+    counts = num_padded  # unused with self_count
+    if not self_count:
+        counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=device)
+        _count_kernel[(num_chunks,)](ids, counts, num_entries, chunk_len, STEP=step, E_PAD=e_pad,
+                                     num_warps=_ALIGN_NUM_WARPS)
     _align_kernel[(num_chunks + triton.cdiv(size, slice_len),)](
         ids, counts, sorted_ids, block_expert, num_padded, num_entries, num_experts, num_chunks, chunk_len, size,
         slice_len, BLOCK_M=block_m, STEP=step, E_PAD=e_pad, ROWS=max(1, min(64, 16384 // e_pad)),
-        num_warps=_ALIGN_NUM_WARPS,
+        SELF_COUNT=self_count, num_warps=_ALIGN_NUM_WARPS,
     )
     return sorted_ids, block_expert, num_padded
 
