@@ -146,9 +146,12 @@ def peer_seconds(T: int, layer: tuple[torch.Tensor, torch.Tensor, torch.Tensor])
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "moe_kernel.json"))
+    parser.add_argument("--json", help="where the figures go (default $OUT/moe_kernel.json, with --sweep "
+                                        "$OUT/moe_sweep_<dtype>.json)")
     parser.add_argument("--sweep", choices=("bf16", "fp8"), help="retune the GEMM tiles instead")
     args = parser.parse_args()
+    args.json = args.json or os.path.join(os.environ.get("OUT", "."), f"moe_sweep_{args.sweep}.json" if args.sweep
+                                          else "moe_kernel.json")
     torch.manual_seed(0)
     rate = copy_bandwidth()
     layers = [(torch.randn(EXPERTS, HIDDEN, device="cuda", dtype=DTYPE) / HIDDEN**0.5,

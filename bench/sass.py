@@ -55,12 +55,22 @@ class Report:
     loops: list[list[str]]  # each loop's instructions (opcode with modifiers), innermost-first order of the SASS
 
 
-def capture_launch(kernel, launch) -> tuple[tuple, dict]:
-    """The arguments `launch()` gives `kernel[grid](...)`, without running the kernel."""
+def capture_launches(kernels: list, launch) -> list[tuple[object, tuple, dict]]:
+    """(kernel, args, kwargs) of each `kernel[grid](...)` that `launch()` makes of these kernels, in order,
+    without running any of them."""
     calls = []
-    with mock.patch.object(kernel, "run", lambda *args, **kwargs: calls.append((args, kwargs))):
+    with contextlib.ExitStack() as stack:
+        for kernel in kernels:
+            stack.enter_context(mock.patch.object(
+                kernel, "run", lambda *args, _kernel=kernel, **kwargs: calls.append((_kernel, args, kwargs))))
         launch()
-    return calls[-1]
+    return calls
+
+
+def capture_launch(kernel, launch) -> tuple[tuple, dict]:
+    """The arguments `launch()` gives `kernel[grid](...)` (its last launch), without running the kernel."""
+    _, args, kwargs = capture_launches([kernel], launch)[-1]
+    return args, kwargs
 
 
 def compile_for_sm90(kernel, args: tuple, kwargs: dict, **option_overrides):
@@ -140,8 +150,8 @@ def moe_reports(fp8: bool, tokens: int, fp16_activations: bool = True) -> dict[s
     """The fused MoE's two grouped GEMMs (kernels/moe.py) as a Qwen3-30B-A3B layer launches them at `tokens`
     tokens (H = 2048, I = 768, k = 8; 8 experts stand for its 128: the tiles depend on T, k and E through the
     block size, which is computed for 128), bf16 activations, fp8 or bf16 experts; the small kernels around them
-    are not run. fp16_activations=False compiles the fp8 gated GEMM alone on the bf16 x (the conversion to
-    bfloat16 that 25035fd ran)."""
+    are not run. fp16_activations=False compiles the fp8 gated GEMM alone on the bf16 x: the K loop's conversion
+    to bfloat16 that 25035fd ran (its epilogue still writes the scaled, saturated float16 intermediate)."""
     from nanoinfer.kernels import moe as km
 
     H, I, E, k = 2048, 768, 8, 8
@@ -152,15 +162,12 @@ def moe_reports(fp8: bool, tokens: int, fp16_activations: bool = True) -> dict[s
         w13, w2 = w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn)
         scales = (torch.ones(E, 2 * I), torch.ones(E, H))
     ids = torch.arange(tokens * k, dtype=torch.int32).view(tokens, k) % E
-    calls = []
     kernels = [getattr(km, name) for name in dir(km) if name.endswith("_kernel")]
     block_m = km.choose_block_m(tokens * k, 128)
-    with contextlib.ExitStack() as stack:
-        for kernel in kernels:
-            stack.enter_context(mock.patch.object(kernel, "run", lambda *a, _k=kernel, **kw: calls.append((_k, a, kw))))
-        stack.enter_context(mock.patch.object(km, "choose_block_m", lambda entries, experts: block_m))
-        km.fused_moe(x, w13, w2, torch.ones(tokens, k), ids, None, *scales)
+    with mock.patch.object(km, "choose_block_m", lambda entries, experts: block_m):
+        calls = capture_launches(kernels, lambda: km.fused_moe(x, w13, w2, torch.ones(tokens, k), ids, None, *scales))
     gemms = [(args, kwargs) for kernel, args, kwargs in calls if kernel is km._moe_gemm_kernel]
+    assert len(gemms) == 2, f"fused_moe launched {len(gemms)} grouped GEMMs, not 2"
     if not fp16_activations:
         gemms = [(tuple(x if i == 0 else a for i, a in enumerate(args)), kwargs) for args, kwargs in gemms[:1]]
     return {name: report(compile_for_sm90(km._moe_gemm_kernel, args, kwargs))
@@ -186,17 +193,23 @@ def main() -> None:
     p.add_argument("--bf16-activations", action="store_true",
                    help="with --moe --fp8-experts: the gated GEMM on bfloat16 activations (the old conversion)")
     args = p.parse_args()
-    if args.moe:
+    attention_options = [name for name in ("kv_cache_dtype", "token_major_v", "prefill", "batch", "num_splits",
+                                           "balance_programs", "block_n", "num_warps", "num_stages", "maxnreg")
+                         if getattr(args, name) != p.get_default(name)]
+    if args.moe is not None:
+        if args.moe < 1 or attention_options or args.bf16_activations and not args.fp8_experts:
+            p.error("--moe T takes T >= 1 tokens and the tiles choose_config gives (no attention options; "
+                    "--bf16-activations only with --fp8-experts)")
         reports = moe_reports(args.fp8_experts, args.moe, not args.bf16_activations)
     else:
-        reports = {"attention": None}
-    overrides = {k: v for k, v in (("block_n", args.block_n), ("num_warps", args.num_warps),
-                                   ("num_stages", args.num_stages), ("num_splits", args.num_splits),
-                                   ("balance_programs", args.balance_programs)) if v is not None}
-    dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
-    if not args.moe:
-        reports["attention"] = attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v,
-                                                maxnreg=args.maxnreg, batch=args.batch, **overrides)
+        if args.fp8_experts or args.bf16_activations:
+            p.error("--fp8-experts and --bf16-activations need --moe")
+        overrides = {k: v for k, v in (("block_n", args.block_n), ("num_warps", args.num_warps),
+                                       ("num_stages", args.num_stages), ("num_splits", args.num_splits),
+                                       ("balance_programs", args.balance_programs)) if v is not None}
+        dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+        reports = {"attention": attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v,
+                                                 maxnreg=args.maxnreg, batch=args.batch, **overrides)}
     for name, r in reports.items():
         print(f"{name}: triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
               f"{r.shared_bytes} B shared memory")

@@ -16,6 +16,8 @@ expert, column tile or routing weight is off by O(1).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from triton_child import interpreter_child, kernel_test
@@ -73,21 +75,66 @@ def test_kernel_matches_math(dtype, T, H, I, E, k) -> None:
     check_kernel(x, w13, w2, weights, ids)
 
 
+def assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, rows: list[int]) -> None:
+    """These rows of `out` = the math on theirs, within x's dtype's tolerances."""
+    ref = fused_moe_math(x[rows], q13, q2, weights[rows], ids[rows], s13, s2).double()
+    got = out[rows].double()
+    assert ((got - ref).norm() / ref.norm()).item() < REL_TOL[x.dtype]
+    torch.testing.assert_close(got, ref, rtol=ELEM_TOL[x.dtype], atol=ELEM_TOL[x.dtype] * ref.abs().max().item())
+
+
 @kernel_test
-def test_fp8_experts_in_bf16_saturate_at_float16_range() -> None:
-    """A bfloat16 x multiplies fp8 experts in float16: x (here with strided rows) converted once, the intermediate
-    stored in float16. A token whose activations pass 65504 (and then its intermediate) is saturated, not inf:
-    its output stays finite, and the other tokens' equal the math."""
-    T, H, I, E, k = 5, 96, 48, 8, 4
+def test_fp8_experts_in_bf16_keep_their_range_in_float16() -> None:
+    """A bfloat16 x multiplies fp8 experts in float16 (x converted once, here with strided rows; the intermediate
+    stored times 2^-8): a token of x ~ 0.1 and one whose intermediate passes float16's 65504 (~1e5) equal the math;
+    a token whose x passes 65504 saturates (its output stays finite); an inf in x stays inf (the output is not
+    finite, as the math's); the other tokens are untouched."""
+    T, H, I, E, k = 6, 96, 48, 8, 4
     x, w13, w2 = make_experts(T, H + 16, I, E, torch.bfloat16, seed=7)
     x, w13, w2 = x[:, :H], w13[:, :, :H].contiguous(), w2[:, :H].contiguous()
-    x[0] *= 3e5
+    x[1] *= 0.1
+    x[2] *= 300
+    x[3] *= 3e5
+    x[4, 5] = float("inf")
     q13, s13, q2, s2 = quantized_experts(w13, w2)
     weights, ids = make_routing(T, E, k, seed=7)
     out = km.fused_moe(x, q13, q2, weights, ids, None, s13, s2)
-    assert x.stride(0) == H + 16 and torch.isfinite(out[0].float()).all() and out[0].abs().max() > 1e3
-    check_kernel(x[1:], q13, q2, weights[1:], ids[1:], s13, s2)
-    torch.testing.assert_close(out[1:], km.fused_moe(x[1:], q13, q2, weights[1:], ids[1:], None, s13, s2))
+    gate_up = torch.einsum("h,nh->n", x[2].float(), (q13[ids[2, 0]].float() * s13[ids[2, 0], :, None]))
+    assert (torch.nn.functional.silu(gate_up[:I]) * gate_up[I:]).abs().max() > 65504  # the intermediate's range
+    assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, [0, 1, 2, 5])
+    assert x.stride(0) == H + 16 and torch.isfinite(out[3].float()).all() and out[3].abs().max() > 1e3
+    assert not torch.isfinite(out[4].float()).all()
+    assert not torch.isfinite(fused_moe_math(x[4:5], q13, q2, weights[4:5], ids[4:5], s13, s2).float()).all()
+
+
+@kernel_test
+def test_fp8_experts_in_fp16_are_not_saturated() -> None:
+    """A float16 model's intermediate is x's dtype, unscaled: one past 65504 overflows as the math's does (the
+    saturation is the bf16 path's alone), and the other tokens are untouched."""
+    T, H, I, E, k = 4, 96, 48, 8, 4
+    x, w13, w2 = make_experts(T, H, I, E, torch.float16, seed=7)
+    x[2] *= 300
+    q13, s13, q2, s2 = quantized_experts(w13, w2)
+    weights, ids = make_routing(T, E, k, seed=7)
+    out = km.fused_moe(x, q13, q2, weights, ids, None, s13, s2)
+    assert not torch.isfinite(out[2].float()).all()
+    assert not torch.isfinite(fused_moe_math(x[2:3], q13, q2, weights[2:3], ids[2:3], s13, s2).float()).all()
+    assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, [0, 1, 3])
+
+
+@kernel_test
+def test_fp8_experts_in_bf16_wide_rows_with_residual() -> None:
+    """H = 1100: x's float16 copy in two column blocks of 1024; the sum added into the residual stream."""
+    T, H, I, E, k = 3, 1100, 40, 4, 2
+    x, w13, w2 = make_experts(T, H, I, E, torch.bfloat16, seed=9)
+    q13, s13, q2, s2 = quantized_experts(w13, w2)
+    weights, ids = make_routing(T, E, k, seed=9)
+    residual = torch.randn(T, H, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    expected = residual.double() + fused_moe_math(x, q13, q2, weights, ids, s13, s2).double()
+    out = km.fused_moe(x, q13, q2, weights, ids, residual, s13, s2)
+    assert out.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(out.double(), expected, rtol=ELEM_TOL[torch.bfloat16],
+                               atol=ELEM_TOL[torch.bfloat16] * expected.abs().max().item())
 
 
 @kernel_test
@@ -150,8 +197,8 @@ def quantized_experts(w13: torch.Tensor, w2: torch.Tensor):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,I,E,k", [(1, 40, 24, 4, 2), (17, 96, 48, 8, 4)])
 def test_fp8_weights_match_math(dtype, T, H, I, E, k) -> None:
-    """fp8 weights converted to x's dtype as loaded and scaled per row in the epilogue = the math on the dequantized
-    weights (`fused_moe_math` with the scales)."""
+    """fp8 weights converted as loaded (to x's dtype, or float16 for a bfloat16 x) and scaled per row in the
+    epilogue = the math on the dequantized weights (`fused_moe_math` with the scales)."""
     x, w13, w2 = make_experts(T, H, I, E, dtype, seed=5)
     q13, s13, q2, s2 = quantized_experts(w13, w2)
     weights, ids = make_routing(T, E, k, seed=5)
@@ -315,8 +362,8 @@ def test_launch_heuristic() -> None:
                 assert block >= 16 and block & (block - 1) == 0
             assert c.block_n <= max(16, 2 * N) and c.block_k <= max(16, 2 * K)
             assert c.num_warps in (2, 4, 8) and 2 <= c.num_stages <= 5
-            fp8 = km.choose_config(block_m, N, K, gated, fp8=True)
-            assert fp8.block_k == c.block_k and fp8.block_n <= c.block_n  # narrower plain tiles at decode only
+            fp8 = km.choose_config(block_m, N, K, gated, fp8=True)  # narrower plain tiles at decode only
+            assert fp8 == (dataclasses.replace(c, block_n=min(c.block_n, 64)) if block_m <= 16 and not gated else c)
 
 
 def test_supports() -> None:

@@ -17,7 +17,8 @@ it waits on the host every layer and cannot be captured. Here:
   expert's weight [N, K], and ends in one of two epilogues:
   - gated (x -> intermediate [T * k, I]): the program accumulates the gate columns n and the up columns I + n
     of w13 against the same A tile, and stores silu(gate) * up, computed in float32 from the accumulators and
-    rounded once to x's dtype (the PyTorch math rounds gate/up, silu and the product each: within a few ulp);
+    rounded once to the intermediate's dtype, x's (the PyTorch math rounds gate/up, silu and the product each:
+    within a few ulp) or float16 (below);
   - weighted (intermediate -> buffer [T * k, H] float32): the float32 accumulator times the entry's routing
     weight.
   Programs whose row block is past the used ones return at once; padding rows are masked out.
@@ -28,12 +29,18 @@ it waits on the host every layer and cannot be captured. Here:
 
 fp8 experts (`quantization="fp8"`) are converted to the activations' dtype as the GEMM loads them, each product
 scaled by its weight row's scale in the epilogue (weight-only, as the skinny kernel's). In a bfloat16 model the
-GEMMs multiply in float16: x is converted once per call (exact for magnitudes from 2^-14 to 65504, saturated
-beyond), the intermediate is stored in float16 (saturated, more precise than bfloat16), and each weight goes from
-e4m3 to float16 in one conversion per two values. Converting e4m3 to bfloat16 costs a second conversion per
-value (F2F on Hopper, a quarter-rate unit): the GEMM was then bound by conversions (fp8 read at 2.9 TB/s at most
-on an H200, where bf16 weights read 4.2; 289 instructions in the decode tile's K loop against 195, counted
-offline for sm_90).
+GEMMs multiply in float16, so that each pair of e4m3 weights takes one conversion instruction: converting them to
+bfloat16 takes a second per value (F2F on Hopper, a quarter-rate unit), which bound the GEMM by conversions (on an
+H200 before this path, fp8 read at 2.8 TB/s at most where bf16 weights read 4.2; the decode tile's K loop is 289
+SASS instructions that way against 192 this way, Triton 3.6 for sm_90 counted offline; this path's speed is not
+yet measured). Its ranges:
+  - x is converted once per call (`_to_float16_kernel`): exact for magnitudes from 2^-14 to 65504; smaller ones
+    round to float16's subnormal steps (an absolute error up to 2^-25), larger finite ones saturate at 65504
+    (an RMS-normalised x stays far below), inf and NaN stay what they are;
+  - the intermediate is stored as float16 times F16_HIDDEN_SCALE (2^-8, exact; the down GEMM's epilogue takes it
+    out), so values up to 65504 x 2^8 ~ 1.7e7 keep float16's 11-bit precision from 2^-6 up (bfloat16's is 8
+    bits), smaller ones an absolute error up to 2^-17, larger finite ones saturate.
+float16 and float32 models are unchanged: their intermediate is in x's dtype, unscaled, unsaturated.
 
 Launch parameters are pure functions of host ints (`choose_block_m`, `choose_config`; no autotuning, which
 would re-tune inside CUDA-graph capture): 16-row blocks when experts see few rows each (decode), 64 when they
@@ -56,6 +63,7 @@ from nanoinfer.kernels import INTERPRETER
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _SUM_BLOCK = 1024
+F16_HIDDEN_SCALE = 2.0**-8  # the float16 intermediate of fp8 experts in a bf16 model is stored times this
 _GROUP_M = 8  # row blocks that walk the column tiles together (their A rows and weight tiles stay in L2)
 
 
@@ -208,14 +216,17 @@ def _sum_topk_kernel(buf_ptr, out_ptr, H, stride_out, TOP_K: tl.constexpr, BLOCK
 
 @triton.jit
 def _saturate_float16(v):
-    """float32 v clamped to float16's finite range (NaN kept), so that its conversion cannot overflow to inf."""
-    return tl.minimum(tl.maximum(v, -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
-                      propagate_nan=tl.PropagateNan.ALL)
+    """float32 v with its finite values clamped to float16's range, so that a large finite value does not become
+    inf in float16; inf and NaN stay as they are."""
+    clamped = tl.minimum(tl.maximum(v, -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
+                         propagate_nan=tl.PropagateNan.ALL)
+    return tl.where(tl.abs(v) == float("inf"), v, clamped)
 
 
 @triton.jit
 def _to_float16_kernel(x_ptr, out_ptr, H, stride_x, BLOCK: tl.constexpr):
-    """out [T, H] float16 = x [T, H] saturated to float16's range (exact for bfloat16 x from 2^-14 to 65504)."""
+    """out [T, H] float16 = x [T, H], finite values saturated to float16's range (exact for bfloat16 x from 2^-14
+    to 65504)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < H
@@ -296,9 +307,10 @@ def choose_config(block_m: int, N: int, K: int, gated: bool, fp8: bool = False) 
     * 32- and 64-row blocks (prefill): gated 64 x 64, plain 128 x 64, 3 stages, 4 warps: the best of 4-7
       candidates at T = 512, 1024, 2048 and 8192 (8 warps lost 10-20%). 128-row blocks were 5-10% faster at
       T = 8192 only.
-    * fp8 weights (converted as loaded): the same tiles, but 64 columns for the plain GEMM at 16-row blocks,
-      1-2.5 us faster per call at T = 1..256 (the best of 6-18 candidates each, `bench/moe_kernel.py --sweep
-      fp8`; none of the others, K steps of 256 included, moved the gated GEMM by more than 1%).
+    * fp8 weights: the same tiles, but 64 columns for the plain GEMM at 16-row blocks, 1-2.5 us faster per call
+      at T = 1..256 (the best of 6-18 candidates each, `bench/moe_kernel.py --sweep fp8`; none of the others, K
+      steps of 256 included, moved the gated GEMM by more than 1%). Swept while the weights were converted to
+      bfloat16 (before the float16 path), not yet since.
     Each block size is clamped to the problem (at least 16, tl.dot's smallest)."""
     if block_m <= 16:
         block_n, block_k, num_warps, num_stages = (32, 128, 4, 4) if gated else ((64 if fp8 else 128), 128, 4, 3)
@@ -316,7 +328,7 @@ def choose_config(block_m: int, N: int, K: int, gated: bool, fp8: bool = False) 
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: x (gated) or the intermediate (weighted)
     w_ptr,  # [E, N or 2N, K]
-    out_ptr,  # [T * k, N]: the intermediate (x's dtype) or the float32 buffer
+    out_ptr,  # [T * k, N]: the intermediate (x's dtype, or float16) or the float32 buffer
     sorted_ids_ptr,  # [P] int32 entries t * k + j by expert, padding = num_entries
     block_expert_ptr,  # [P // BLOCK_M] int32
     num_padded_ptr,  # [1] int32: used length of sorted_ids
@@ -334,7 +346,8 @@ def _moe_gemm_kernel(
     ENTRIES_PER_ROW: tl.constexpr,  # k for x (entry // k is the token), 1 for the intermediate
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
-    SATURATE: tl.constexpr,  # a float16 output: clamped to its range, so it cannot overflow
+    OUT_SCALE: tl.constexpr,  # the product times this power of two (F16_HIDDEN_SCALE or its inverse), else 1.0
+    SATURATE: tl.constexpr,  # a float16 intermediate: finite values clamped to its range
     HAS_SCALE: tl.constexpr,  # fp8 weights: converted to A's dtype as loaded, their row scales in the epilogue
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -398,6 +411,8 @@ def _moe_gemm_kernel(
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up  # silu(gate) * up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + entries, mask=mask_m, other=0.0)[:, None]
+    if OUT_SCALE != 1.0:
+        acc = acc * OUT_SCALE
     if SATURATE:
         acc = _saturate_float16(acc)
     out_ptrs = out_ptr + entries.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -406,9 +421,9 @@ def _moe_gemm_kernel(
 
 def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
             weights: torch.Tensor, entries_per_row: int, block_m: int, gated: bool,
-            scale: torch.Tensor | None) -> None:
-    """One grouped GEMM: out[entry] = epilogue(A[entry // entries_per_row] @ W[expert of entry]^T), W times its
-    row scales `scale` where it is fp8."""
+            scale: torch.Tensor | None, out_scale: float = 1.0, saturate: bool = False) -> None:
+    """One grouped GEMM: out[entry] = epilogue(A[entry // entries_per_row] @ W[expert of entry]^T) * out_scale,
+    W times its row scales `scale` where it is fp8; `saturate`: finite values clamped to float16's range."""
     sorted_ids, block_expert, num_padded = align
     N, K = out.shape[1], a.shape[1]
     config = choose_config(block_m, N, K, gated, scale is not None)
@@ -418,7 +433,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, align: tuple[to
         a, w, out, sorted_ids, block_expert, num_padded, weights, weights if scale is None else scale, N, K,
         out.shape[0], num_row_blocks, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         0 if scale is None else scale.stride(0),
-        ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, SATURATE=out.dtype == torch.float16,
+        ENTRIES_PER_ROW=entries_per_row, GATED=gated, WEIGHTED=not gated, OUT_SCALE=out_scale, SATURATE=saturate,
         HAS_SCALE=scale is not None,
         BLOCK_M=block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=_GROUP_M, UPCAST=INTERPRETER,
@@ -459,8 +474,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     dtype, where w13[e] = [G_e; U_e] and w2[e] = D_e (`fused_moe_math`'s semantics). topk_ids must lie in
     [0, E) (not checked: that would synchronise). With `residual` [T, H] (x's dtype): the sum is added to it in
     place, in float32 and rounded once, and `residual` returned. fp8 weights (`w13_scale`, `w2_scale`: float32
-    row scales) are converted to x's dtype as they are loaded (float16 for a bfloat16 x), and each product scaled
-    by its row's scale in float32 (weight-only fp8, as the skinny kernel's)."""
+    row scales) are converted to x's dtype as they are loaded, and each product scaled by its row's scale in
+    float32 (weight-only fp8, as the skinny kernel's); for a bfloat16 x the GEMMs multiply in float16, x and the
+    intermediate within float16's range (the module docstring says how)."""
     if not supports(x, w13, w2, w13_scale, w2_scale):
         raise ValueError(f"fused_moe kernel: unsupported x {tuple(x.shape)} {x.dtype} stride {x.stride()} on "
                          f"{x.device}, w13 {tuple(w13.shape)} {w13.dtype} stride {w13.stride()} on {w13.device}, "
@@ -491,17 +507,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     block_m = choose_block_m(num_entries, E)
     align = moe_align(topk_ids, E, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    a = x
-    if w13_scale is not None and x.dtype == torch.bfloat16:  # fp8 experts multiply in float16 (module docstring)
-        a = torch.empty((T, H), dtype=torch.float16, device=x.device)
-        block = min(_SUM_BLOCK, triton.next_power_of_2(H))
+    block = min(_SUM_BLOCK, triton.next_power_of_2(H))  # columns per program of the row-wise kernels
+    a, hidden_scale = x, 1.0
+    f16 = w13_scale is not None and x.dtype == torch.bfloat16  # fp8 experts multiply in float16 (module docstring)
+    if f16:
+        a, hidden_scale = torch.empty((T, H), dtype=torch.float16, device=x.device), F16_HIDDEN_SCALE
         _to_float16_kernel[(T, triton.cdiv(H, block))](x, a, H, x.stride(0), BLOCK=block, num_warps=4)
     hidden = torch.empty((num_entries, intermediate), dtype=a.dtype, device=x.device)
-    _launch(a, w13, hidden, align, weights, top_k, block_m, gated=True, scale=w13_scale)
+    _launch(a, w13, hidden, align, weights, top_k, block_m, gated=True, scale=w13_scale, out_scale=hidden_scale,
+            saturate=f16)
     buf = torch.empty((num_entries, H), dtype=torch.float32, device=x.device)
-    _launch(hidden, w2, buf, align, weights, 1, block_m, gated=False, scale=w2_scale)
+    _launch(hidden, w2, buf, align, weights, 1, block_m, gated=False, scale=w2_scale, out_scale=1.0 / hidden_scale)
     out = torch.empty((T, H), dtype=x.dtype, device=x.device) if residual is None else residual
-    block = min(_SUM_BLOCK, triton.next_power_of_2(H))
     _sum_topk_kernel[(T, triton.cdiv(H, block))](buf, out, H, out.stride(0), TOP_K=top_k, BLOCK=block,
                                                  ADD_TO_OUT=residual is not None, num_warps=4)
     return out
