@@ -86,7 +86,7 @@ def assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, rows: list[in
 @kernel_test
 def test_fp8_experts_in_bf16_keep_their_range_in_float16() -> None:
     """A bfloat16 x multiplies fp8 experts in float16 (x converted once, here with strided rows; the intermediate
-    stored times 2^-8): a token of x ~ 0.1 and one whose intermediate passes float16's 65504 (~1e5) equal the math;
+    stored times 2^-4): a token of x ~ 0.1 and one whose intermediate passes float16's 65504 (~1e5) equal the math;
     a token whose x passes 65504 saturates (its output stays finite); an inf in x stays inf (the output is not
     finite, as the math's); the other tokens are untouched."""
     T, H, I, E, k = 6, 96, 48, 8, 4
