@@ -197,9 +197,12 @@ def main() -> None:
                                            "balance_programs", "block_n", "num_warps", "num_stages", "maxnreg")
                          if getattr(args, name) != p.get_default(name)]
     if args.moe is not None:
-        if args.moe < 1 or attention_options or args.bf16_activations and not args.fp8_experts:
-            p.error("--moe T takes T >= 1 tokens and the tiles choose_config gives (no attention options; "
-                    "--bf16-activations only with --fp8-experts)")
+        if args.moe < 1:
+            p.error("--moe takes a number of tokens >= 1")
+        if attention_options:
+            p.error(f"--moe compiles the tiles choose_config gives; these do not apply to it: {', '.join(attention_options)}")
+        if args.bf16_activations and not args.fp8_experts:
+            p.error("--bf16-activations needs --fp8-experts")
         reports = moe_reports(args.fp8_experts, args.moe, not args.bf16_activations)
     else:
         if args.fp8_experts or args.bf16_activations:

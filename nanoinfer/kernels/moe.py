@@ -34,8 +34,9 @@ bfloat16 takes a second per value (F2F on Hopper, a quarter-rate unit), which bo
 H200 before this path, fp8 read at 2.8 TB/s at most where bf16 weights read 4.2; the decode tile's K loop is 289
 SASS instructions that way against 192 this way, Triton 3.6 for sm_90 counted offline; this path's speed is not
 yet measured). Its ranges:
-  - x is converted once per call (`_to_float16_kernel`): exact for magnitudes from 2^-14 to 65504; smaller ones
-    round to float16's subnormal steps (an absolute error up to 2^-25), larger finite ones saturate at 65504
+  - x is converted once per call (`_to_float16_kernel`): exact for magnitudes from 2^-17 to 65504 (bfloat16's 8
+    significant bits fit float16's grid there); smaller ones round to float16's subnormal steps (an absolute
+    error up to 2^-25), larger finite ones saturate at 65504
     (an RMS-normalised x stays far below), inf and NaN stay what they are;
   - the intermediate is stored as float16 times F16_HIDDEN_SCALE (2^-4, exact; the down GEMM's epilogue takes it
     out): values up to 65504 x 16 ~ 1.05e6 (MLP outliers of thousands fit), float16's 11-bit precision from
@@ -226,7 +227,7 @@ def _saturate_float16(v):
 
 @triton.jit
 def _to_float16_kernel(x_ptr, out_ptr, H, stride_x, BLOCK: tl.constexpr):
-    """out [T, H] float16 = x [T, H], finite values saturated to float16's range (exact for bfloat16 x from 2^-14
+    """out [T, H] float16 = x [T, H], finite values saturated to float16's range (exact for bfloat16 x from 2^-17
     to 65504)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -1,7 +1,8 @@
 """FP8 weights, as vLLM's `quantization="fp8"`: each decoder projection's weight is stored as float8_e4m3fn
 with one float32 scale per output row (its largest magnitude / 448), half the bytes of bf16; so is every MoE
 expert's (kernels/moe.py: its grouped GEMM converts them as it loads them, W8A16 at every size; in a bf16
-model it multiplies in float16, x and the intermediate within float16's range, as that module's docstring says). The embedding,
+model it multiplies in float16, with x and a 2^-4-scaled intermediate in float16's range, as that module's
+docstring says). The embedding,
 the LM head and an MoE router stay in the model's dtype, as vLLM keeps them.
 
 How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which every projection calls):
