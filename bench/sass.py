@@ -200,7 +200,8 @@ def main() -> None:
         if args.moe < 1:
             p.error("--moe takes a number of tokens >= 1")
         if attention_options:
-            p.error(f"--moe compiles the tiles choose_config gives; these do not apply to it: {', '.join(attention_options)}")
+            p.error("--moe compiles the tiles choose_config gives; these do not apply to it: "
+                    + ", ".join(attention_options))
         if args.bf16_activations and not args.fp8_experts:
             p.error("--bf16-activations needs --fp8-experts")
         reports = moe_reports(args.fp8_experts, args.moe, not args.bf16_activations)
