@@ -89,22 +89,24 @@ def assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, rows: list[in
 @kernel_test
 def test_fp8_experts_in_bf16_keep_their_range_in_float16() -> None:
     """A bfloat16 x multiplies fp8 experts in float16 (x converted once, here with strided rows; the intermediate
-    stored times 2^-4): a token of x ~ 0.1 and one whose intermediate passes float16's 65504 (~1e5) equal the math;
-    a token whose x passes 65504 saturates (its output stays finite); an inf in x stays inf (the output is not
-    finite, as the math's); the other tokens are untouched."""
-    T, H, I, E, k = 6, 96, 48, 8, 4
+    stored times 2^-4): a token of x ~ 0.1, one of x ~ 0.02 (its intermediate ~1e-4, stored as float16
+    subnormals: on a GPU this checks that the tensor cores keep them) and one whose intermediate passes float16's
+    65504 (~1e5) equal the math; a token whose x passes 65504 saturates (its output stays finite); an inf in x
+    stays inf (the output is not finite, as the math's); the other tokens are untouched."""
+    T, H, I, E, k = 7, 96, 48, 8, 4
     x, w13, w2 = make_experts(T, H + 16, I, E, torch.bfloat16, seed=7)
     x, w13, w2 = x[:, :H], w13[:, :, :H].contiguous(), w2[:, :H].contiguous()
     x[1] *= 0.1
     x[2] *= 300
     x[3] *= 3e5
     x[4, 5] = float("inf")
+    x[6] *= 0.02
     q13, s13, q2, s2 = quantized_experts(w13, w2)
     weights, ids = make_routing(T, E, k, seed=7)
     out = km.fused_moe(x, q13, q2, weights, ids, None, s13, s2)
     gate_up = torch.einsum("h,nh->n", x[2].float(), (q13[ids[2, 0]].float() * s13[ids[2, 0], :, None]))
     assert (torch.nn.functional.silu(gate_up[:I]) * gate_up[I:]).abs().max() > 65504  # the intermediate's range
-    assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, [0, 1, 2, 5])
+    assert_rows_match_math(out, x, q13, q2, weights, ids, s13, s2, [0, 1, 2, 5, 6])
     assert x.stride(0) == H + 16 and torch.isfinite(out[3].float()).all() and out[3].abs().max() > 1e3
     assert not torch.isfinite(out[4].float()).all()
     assert not torch.isfinite(fused_moe_math(x[4:5], q13, q2, weights[4:5], ids[4:5], s13, s2).float()).all()
