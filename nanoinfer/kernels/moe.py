@@ -36,8 +36,8 @@ SASS instructions that way against 192 this way, Triton 3.6 for sm_90 counted of
 yet measured). Its ranges:
   - x is converted once per call (`_to_float16_kernel`): exact for magnitudes from 2^-17 to 65504 (bfloat16's 8
     significant bits fit float16's grid there); smaller ones round to float16's subnormal steps (an absolute
-    error up to 2^-25), larger finite ones saturate at 65504
-    (an RMS-normalised x stays far below), inf and NaN stay what they are;
+    error up to 2^-25), larger finite ones saturate at 65504 (an RMS-normalised x stays far below), inf and NaN
+    stay what they are;
   - the intermediate is stored as float16 times F16_HIDDEN_SCALE (2^-4, exact; the down GEMM's epilogue takes it
     out): values up to 65504 x 16 ~ 1.05e6 (MLP outliers of thousands fit), float16's 11-bit precision from
     2^-10 up (bfloat16's is 8 bits), an absolute error up to 2^-21 below, larger finite values saturate. A
