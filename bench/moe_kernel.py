@@ -32,45 +32,41 @@ from kernels import copy_bandwidth
 import nanoinfer.kernels.moe as moe_kernels
 from nanoinfer.kernels.moe import GemmConfig, choose_block_m, fused_moe
 from nanoinfer.kernels.skinny_gemm import graph_seconds_per_call
-from nanoinfer.layers.fp8 import quantize_per_row
-from nanoinfer.layers.moe import fused_moe_math, select_experts
+from nanoinfer.layers.moe import fused_moe_math, quantize_experts, select_experts
 
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K, DTYPE = 2048, 768, 128, 8, torch.bfloat16
 BATCHES = (1, 8, 32, 64, 128, 256, 1024, 4096)
 LAYERS = 4  # 4 x 1.2 GB of experts: far over L2
 
 
-def quantized(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A layer's experts as `quantization="fp8"` stores them: float8_e4m3fn rows, a float32 scale per row."""
-    out = {}
-    for name, w in (("w13", w13), ("w2", w2)):
-        q, scale = quantize_per_row(w.flatten(0, 1))
-        out[name], out[f"{name}_scale"] = q.view(w.shape), scale.view(w.shape[:2])
-    return out
+def quantized(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A layer's experts as `quantization="fp8"` stores them: (w13, w2, their float32 row scales)."""
+    (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
+    return q13, q2, s13, s2
 
 
-def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[dict]) -> dict:
+def moe_calls(x: torch.Tensor, experts: list[tuple[torch.Tensor, ...]], routed: list[tuple]) -> list:
+    """One `fused_moe` call per layer: its experts (w13, w2[, w13_scale, w2_scale]) and routing."""
+    return [lambda e=e, r=r: fused_moe(x, *e[:2], *r, None, *e[2:]) for e, r in zip(experts, routed)]
+
+
+def bench(T: int, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[tuple]) -> dict:
     x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
     gates = [gate for gate, _, _ in layers]
     routed = [select_experts(F.linear(x, gate), TOP_K, True) for gate in gates]
     t_route = graph_seconds_per_call([lambda g=g: select_experts(F.linear(x, g), TOP_K, True) for g in gates],
                                      replays=20)
-    t_moe = graph_seconds_per_call(
-        [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)], replays=20)
-    t_fp8 = graph_seconds_per_call(
-        [lambda q=q, r=r: fused_moe(x, q["w13"], q["w2"], *r, w13_scale=q["w13_scale"], w2_scale=q["w2_scale"])
-         for q, r in zip(fp8_layers, routed)], replays=20)
+    bf16_layers = [(w13, w2) for _, w13, w2 in layers]
+    t_moe = graph_seconds_per_call(moe_calls(x, bf16_layers, routed), replays=20)
+    t_fp8 = graph_seconds_per_call(moe_calls(x, fp8_layers, routed), replays=20)
     used = torch.unique(routed[0][1]).numel()  # (layer 0's routing stands for the rotation's: the same T, uniform)
     weight_bytes, activation_bytes = used * 3 * HIDDEN * INTERMEDIATE, T * HIDDEN * 2 * 2
     nbytes, fp8_bytes = 2 * weight_bytes + activation_bytes, weight_bytes + activation_bytes
-    _, w13, w2 = layers[0]
-    q = fp8_layers[0]
     errors = []
-    for ours, reference in (
-            (fused_moe(x, w13, w2, *routed[0]), fused_moe_math(x, w13, w2, *routed[0])),
-            (fused_moe(x, q["w13"], q["w2"], *routed[0], w13_scale=q["w13_scale"], w2_scale=q["w2_scale"]),
-             fused_moe_math(x, q["w13"], q["w2"], *routed[0], q["w13_scale"], q["w2_scale"]))):
-        errors.append(((ours.float() - reference.float()).norm() / reference.float().norm()).item())
+    for experts in (bf16_layers[0], fp8_layers[0]):
+        ours = moe_calls(x, [experts], routed[:1])[0]().float()
+        reference = fused_moe_math(x, *experts[:2], *routed[0], *experts[2:]).float()
+        errors.append(((ours - reference).norm() / reference.norm()).item())
     return {"T": T, "experts_used": used, "mbytes": nbytes / 1e6, "route_us": t_route * 1e6, "moe_us": t_moe * 1e6,
             "moe_tbps": nbytes / t_moe / 1e12, "rel_err_vs_math": errors[0], "fp8_us": t_fp8 * 1e6,
             "fp8_tbps": fp8_bytes / t_fp8 / 1e12, "fp8_rel_err_vs_math": errors[1]}
@@ -85,7 +81,7 @@ def candidates(block_m: int, gated: bool) -> list[GemmConfig]:
     return [GemmConfig(n, k, w, 3) for n in (64, 128) for k in (64, 128) for w in (4, 8)]
 
 
-def sweep(dtype: str, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[dict]) -> list:
+def sweep(dtype: str, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], fp8_layers: list[tuple]) -> list:
     """Per T and GEMM: each candidate's us per fused_moe call (graph replays, as `bench` times them) with the
     other GEMM at `choose_config`'s tiles; prints the default and the best three."""
     default = moe_kernels.choose_config
@@ -93,11 +89,7 @@ def sweep(dtype: str, layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tenso
     for T in BATCHES:
         x = torch.randn(T, HIDDEN, device="cuda", dtype=DTYPE)
         routed = [select_experts(F.linear(x, gate), TOP_K, True) for gate, _, _ in layers]
-        if dtype == "fp8":
-            calls = [lambda q=q, r=r: fused_moe(x, q["w13"], q["w2"], *r, w13_scale=q["w13_scale"],
-                                                w2_scale=q["w2_scale"]) for q, r in zip(fp8_layers, routed)]
-        else:
-            calls = [lambda w13=w13, w2=w2, r=r: fused_moe(x, w13, w2, *r) for (_, w13, w2), r in zip(layers, routed)]
+        calls = moe_calls(x, fp8_layers if dtype == "fp8" else [(w13, w2) for _, w13, w2 in layers], routed)
         block_m = choose_block_m(T * TOP_K, EXPERTS)
         for gated in (True, False):
             timed = []

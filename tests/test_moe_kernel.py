@@ -188,14 +188,9 @@ def test_layer_dispatches_to_kernel(monkeypatch) -> None:
 
 
 def quantized_experts(w13: torch.Tensor, w2: torch.Tensor):
-    """Each expert's rows to float8_e4m3fn with a float32 scale per row (`quantization="fp8"`'s scheme)."""
-    from nanoinfer.layers.fp8 import quantize_per_row
-
-    out = []
-    for w in (w13, w2):
-        q, scale = quantize_per_row(w.float().flatten(0, 1))
-        out += [q.view(w.shape), scale.view(w.shape[:2])]
-    return out
+    """Each expert's rows to float8_e4m3fn with a float32 scale per row (`quantization="fp8"`'s scheme):
+    (w13, its scales, w2, its scales)."""
+    return [*layer.quantize_experts(w13), *layer.quantize_experts(w2)]
 
 
 @kernel_test

@@ -2,8 +2,7 @@
 with one float32 scale per output row (its largest magnitude / 448), half the bytes of bf16; so is every MoE
 expert's (kernels/moe.py: its grouped GEMM converts them as it loads them, W8A16 at every size; in a bf16
 model it multiplies in float16, with x and a 2^-4-scaled intermediate in float16's range, as that module's
-docstring says). The embedding,
-the LM head and an MoE router stay in the model's dtype, as vLLM keeps them.
+docstring says). The embedding, the LM head and an MoE router stay in the model's dtype, as vLLM keeps them.
 
 How a quantized layer multiplies (`linear` in layers/skinny_dispatch.py, which every projection calls):
 
@@ -95,8 +94,10 @@ def check_fp8_device(device: torch.device) -> None:
     """fp8 weights on a GPU need fp8 conversions in Triton (our skinny and MoE kernels convert them as they load
     them): compute capability 8.9 or newer (Ada, Hopper). Older GPUs fail when a kernel compiles, mid start-up, so
     they are refused first."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
         raise ValueError(f"fp8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
                          f"{torch.cuda.get_device_name(device)} is {major}.{minor}: run the model unquantized")
 

@@ -115,6 +115,14 @@ class Router(nn.Module):
         return F.linear(x, self.weight)
 
 
+def quantize_experts(weight: torch.Tensor, rows_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked experts [E, N, K] -> (float8_e4m3fn [E, N, K], float32 scales [E, N]): each expert's rows as a
+    linear layer's (`quantize_per_row`; `rows_split`: this rank holds a slice of every row, `full_row_amax`)."""
+    rows = weight.flatten(0, 1)
+    q, scale = quantize_per_row(rows, full_row_amax(rows, rows_split))
+    return q.view(weight.shape), scale.view(weight.shape[:2])
+
+
 class FusedMoE(nn.Module):
     """Every expert's gate/up and down weights, this rank's slice of each (`w13_weight`, `w2_weight`).
 
@@ -175,11 +183,9 @@ class FusedMoE(nn.Module):
         if self.w13_scale is not None:
             raise RuntimeError("FusedMoE: the experts are fp8 already")
         for name, rows_split in (("w13", False), ("w2", True)):
-            weight = getattr(self, f"{name}_weight").data.to(device)
-            rows = weight.flatten(0, 1)
-            q, scale = quantize_per_row(rows, full_row_amax(rows, rows_split))
-            setattr(self, f"{name}_weight", nn.Parameter(q.view(weight.shape), requires_grad=False))
-            setattr(self, f"{name}_scale", scale.view(weight.shape[:2]))
+            q, scale = quantize_experts(getattr(self, f"{name}_weight").data.to(device), rows_split)
+            setattr(self, f"{name}_weight", nn.Parameter(q, requires_grad=False))
+            setattr(self, f"{name}_scale", scale)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
