@@ -410,3 +410,40 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
     assert dispatch._choices == {(1, 24, 32, torch.float32): None, (4, 24, 32, torch.float32): None}
     assert [r[2] for r in results.values()] == [None, None]
     assert [c[0].func for c in timed] == [dispatch.dense_linear] * 2 and "not used" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs CUDA sm_90+ (mul.rn.bf16x2)")
+def test_e4m3_to_bf16_is_exact_for_every_finite_value():
+    """The skinny kernel's bit-level e4m3 -> bf16 conversion equals PyTorch's for all 254 finite bit patterns
+    (subnormals, both zeros, +-448), in a tensor whose length is not a multiple of the 4 values per register."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(out_ptr + offs, sg.e4m3_to_bf16(tl.load(w_ptr + offs, mask=mask, other=0.0)), mask=mask)
+
+    bits = torch.arange(256, dtype=torch.int32, device="cuda").to(torch.uint8)
+    w = bits[(bits & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    for n in (w.numel(), 253):
+        out = torch.full((n,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        convert[(1,)](w, out, n, BLOCK=256)
+        assert torch.equal(out.view(torch.int16), w[:n].to(torch.bfloat16).view(torch.int16))
+
+
+def test_fp8_weights_convert_bitwise_only_where_bf16x2_multiplies_run(monkeypatch):
+    """`e4m3_to_bf16` is inline PTX with a bf16x2 multiply (sm_90+): Ada's fp8 weights (sm_89, which fp8 models
+    accept) and the CPU interpreter must take Triton's own conversion, or the kernel fails to compile."""
+    check = sg.converts_fp8_bitwise.__wrapped__
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(sg, "INTERPRETER", False)
+    for capability, expected in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert check(cuda) is expected
+    assert check(torch.device("cpu")) is False
+    monkeypatch.setattr(sg, "INTERPRETER", True)
+    assert check(cuda) is False

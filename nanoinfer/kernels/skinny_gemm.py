@@ -33,7 +33,8 @@ Design:
   reduction kernel, no fp32-to-bf16 cast kernel. The counters are
   `arrival_counters`, shared with split-KV attention.
 * fp8 weights (layers/fp8.py) are loaded as they are stored (half the bytes of bf16), converted to x's
-  dtype in registers before the dot, and each column's scale multiplies the fp32 sum in the epilogue.
+  dtype in registers before the dot (to bf16 on Hopper by `e4m3_to_bf16`'s bit operations, 13% faster
+  than Triton's conversion), and each column's scale multiplies the fp32 sum in the epilogue.
 * On Hopper it launches with programmatic dependent launch (`pdl_enabled`): its
   programs start while the previous kernel finishes and wait only before loading x;
   they release the next kernel once their K loop is done.
@@ -189,6 +190,41 @@ def _store_output(acc, s_ptr, b_ptr, out_ptr, offs_m, offs_n, mask_m, mask_n, st
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def converts_fp8_bitwise(device: torch.device) -> bool:
+    """Whether bf16 products of fp8 weights convert them with `e4m3_to_bf16`: its bf16x2 multiply needs sm_90+
+    (Ada's fp8 weights take Triton's conversion), and the CPU interpreter runs no inline PTX."""
+    return device.type == "cuda" and not INTERPRETER and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@triton.jit
+def e4m3_to_bf16(w):
+    """float8_e4m3fn -> bfloat16, exactly (NaN excepted: quantized weights are finite), four values per 32-bit
+    register with integer ops and one bf16x2 multiply: each byte's exponent and mantissa shifted into bfloat16's
+    fields, its sign kept, then times 2^120 (the exponent biases 127 - 7). Triton's own conversion goes through
+    float16 and spends a quarter-rate F2F on every value, which bounds fp8 matmuls by conversions (bench/NOTES.md,
+    2026-11-29). sm_90+ (`mul.rn.bf16x2`); not for the CPU interpreter."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .b32 s, a, b, t, u, c;
+        and.b32 s, $2, 0x7F7F7F7F;
+        prmt.b32 a, $2, 0, 0x1404;
+        prmt.b32 b, $2, 0, 0x3424;
+        prmt.b32 t, s, 0, 0x1404;
+        prmt.b32 u, s, 0, 0x3424;
+        shr.b32 t, t, 4;
+        shr.b32 u, u, 4;
+        lop3.b32 a, a, t, 0x80008000, 0xE4;
+        lop3.b32 b, b, u, 0x80008000, 0xE4;
+        mov.b32 c, 0x7B807B80;
+        mul.rn.bf16x2 $0, a, c;
+        mul.rn.bf16x2 $1, b, c;
+        }
+        """,
+        "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr,
@@ -215,6 +251,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in fp32: only for the CPU interpreter, whose bf16 dot is wrong
+    BITWISE_FP8: tl.constexpr,  # fp8 weights to bf16 by `e4m3_to_bf16` (bf16 x on sm_90+)
     USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -238,6 +275,8 @@ def _skinny_gemm_kernel(
         if UPCAST:
             x = x.to(tl.float32)
             w = w.to(tl.float32)
+        elif BITWISE_FP8:
+            w = e4m3_to_bf16(w)
         elif HAS_SCALE:  # fp8 weights: multiplied in x's dtype
             w = w.to(x.dtype)
         # "ieee" keeps fp32 inputs exact (no TF32); it is ignored for 16-bit inputs.
@@ -367,6 +406,7 @@ def skinny_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         UPCAST=x.dtype == torch.bfloat16 and INTERPRETER,
+        BITWISE_FP8=weight_scale is not None and x.dtype == torch.bfloat16 and converts_fp8_bitwise(x.device),
         USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
