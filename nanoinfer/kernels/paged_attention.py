@@ -28,9 +28,10 @@ Decode-only batches launch one program per (sequence, KV head, split). With
 few sequences the context is cut into `num_splits` ranges, so one long
 sequence still spreads over the whole GPU; each split stores its partial
 result and log-sum-exp, and the last split of a (sequence, KV head) to
-arrive (an atomic counter, `arrival_counters`) merges them. One launch, no
-second kernel: at decode batch sizes a merge kernel and its launch gap cost
-more than the merge's few kilobytes. A sequence that needs one split stores its output
+arrive (an atomic counter, `arrival_counters`) merges them, all the query
+heads of its KV head at once (a GQA-8 model's merged head by head took ~15
+us). One launch, no second kernel: at decode batch sizes a merge kernel and
+its launch gap cost more than the merge's few kilobytes. A sequence that needs one split stores its output
 as final (no partial, no merge). By default each sequence's context is cut into equal
 parts; with `balance_programs` every split is at least (the launch's total context x
 KV heads / balance_programs) tokens long, so when context lengths differ, long
@@ -54,7 +55,7 @@ import triton
 import triton.language as tl
 
 from nanoinfer.kernels import arrival_counters, pdl_enabled
-from nanoinfer.kernels.attention_config import PagedAttentionConfig, max_splits
+from nanoinfer.kernels.attention_config import PagedAttentionConfig, max_splits, merge_tile
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -202,6 +203,8 @@ def _paged_attention_kernel(
     DECODE: tl.constexpr,
     SPLIT: tl.constexpr,
     MAX_SPLITS: tl.constexpr,  # the merge's split axis (>= num_splits, a power of two)
+    MERGE_HEADS: tl.constexpr,  # query heads the merge combines at once (merge_tile)
+    MERGE_SPLITS: tl.constexpr,  # splits per step of the merge's loop
     DOT_PRECISION: tl.constexpr,
     F16_DOTS: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (fp8 -> fp16 is one exact convert)
     V_DIM_MAJOR: tl.constexpr,  # stride_vs == 1: V read in whole (block, KV head) runs, or runs of BLOCK_N tokens
@@ -315,7 +318,7 @@ def _paged_attention_kernel(
             if tl.atomic_add(counter, 1) == num_splits - 1:
                 _merge_splits(out_ptr, lse_ptr, final_ptr, q_start.to(tl.int64), kv_head * QUERY_GROUP, num_splits,
                               stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ft, stride_fh,
-                              QUERY_GROUP, HEAD_DIM, MAX_SPLITS)
+                              QUERY_GROUP, MERGE_HEADS, MERGE_SPLITS, HEAD_DIM, MAX_SPLITS)
                 tl.store(counter, 0)
     else:
         out_rows = token_row * stride_ot + head * stride_oh
@@ -325,25 +328,39 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits(partial_ptr, lse_ptr, final_ptr, token_row, first_head, num_splits, stride_ot, stride_oh,
                   stride_os, stride_lt, stride_lh, stride_ft, stride_fh, QUERY_GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """The last split of a (token, KV head) to finish: for each of its query heads, combine every
-    split's normalised output weighted by exp2(lse - max lse) (a zero-length context: lse -inf, output 0).
-    All splits load at once (one L2 round trip per head, not one per split); .cg: other programs
-    wrote them."""
-    splits = tl.arange(0, MAX_SPLITS)
+                  HEAD_TILE: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr):
+    """The last split of a (token, KV head) to finish: each of its query heads' output is every split's normalised
+    output weighted by exp2(lse - max lse) (a zero-length context: lse -inf, output 0). HEAD_TILE query heads at
+    once (the whole group up to 16), their partials SPLIT_CHUNK splits per step (one step unless the context needed
+    many splits): merged head by head, the chain of L2 round trips and reductions cost ~2 us per query head on an
+    H200, ~15 us for a GQA-8 model's 8 (bench/NOTES.md, 2026-11-29 20:35). .cg: other programs wrote them."""
     dims = tl.arange(0, HEAD_DIM)
-    valid = splits < num_splits
-    for g in tl.static_range(QUERY_GROUP):
-        head = first_head + g
-        lse = tl.load(lse_ptr + token_row * stride_lt + head * stride_lh + splits, mask=valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        lse_max = tl.max(lse, 0)
-        weight = tl.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-        total = tl.sum(weight, 0)
-        partial = tl.load(partial_ptr + token_row * stride_ot + head * stride_oh + splits[:, None] * stride_os
-                          + dims[None, :], mask=valid[:, None], other=0.0, cache_modifier=".cg")
-        out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-        tl.store(final_ptr + token_row * stride_ft + head * stride_fh + dims, out.to(final_ptr.dtype.element_ty))
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    splits = tl.arange(0, MAX_SPLITS)
+    for first_in_group in tl.static_range(0, QUERY_GROUP, HEAD_TILE):
+        group_head = first_in_group + tl.arange(0, HEAD_TILE)
+        head_valid = group_head < QUERY_GROUP
+        head = first_head + group_head
+        lse_rows = lse_ptr + token_row * stride_lt + head[:, None] * stride_lh
+        lse = tl.load(lse_rows + splits[None, :], mask=head_valid[:, None] & (splits < num_splits)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        lse_max = tl.max(lse, 1)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
+        partial_rows = partial_ptr + token_row * stride_ot + head[:, None, None] * stride_oh
+        acc = tl.zeros([HEAD_TILE, HEAD_DIM], dtype=tl.float32)
+        for first in range(0, num_splits, SPLIT_CHUNK):
+            split = first + chunk
+            valid = head_valid[:, None] & (split < num_splits)[None, :]
+            weight = tl.exp2(tl.load(lse_rows + split[None, :], mask=valid, other=float("-inf"),
+                                     cache_modifier=".cg") - lse_max[:, None])
+            partial = tl.load(partial_rows + split[None, :, None] * stride_os + dims[None, None, :],
+                              mask=valid[:, :, None], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(partial * weight[:, :, None], 1)
+        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        tl.store(final_ptr + token_row * stride_ft + head[:, None] * stride_fh + dims[None, :],
+                 out.to(final_ptr.dtype.element_ty), mask=head_valid[:, None])
 
 
 def _check_inputs(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None:
@@ -416,6 +433,7 @@ def paged_attention(
     else:
         lse, target, stride_os, lse_strides, counters = out, out, 0, (0, 0), out
     pdl = pdl_enabled(query.device)
+    merge_heads, merge_splits = merge_tile(num_heads // num_kv_heads)
     if config.decode:
         grid = (num_seqs, num_kv_heads, config.num_splits)
     else:
@@ -458,6 +476,8 @@ def paged_attention(
         DECODE=config.decode,
         SPLIT=split,
         MAX_SPLITS=max_splits(config),
+        MERGE_HEADS=merge_heads,
+        MERGE_SPLITS=merge_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         F16_DOTS=k_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
         V_DIM_MAJOR=v_cache.stride(1) == 1,

@@ -1,7 +1,7 @@
-"""The Triton kernels on CUDA over the full matrix: fp16/bf16, GQA 1/2/4/8,
-head_dim 64/128, many context lengths, batches up to 256, split-KV on and off,
-the fused norm + rotary + KV write at batch 1000, decode launched longest sequence first and with
-balanced splits at Qwen3-0.6B's shape, and a decode step captured in a CUDA graph and replayed at other
+"""The Triton kernels on CUDA over the full matrix: fp16/bf16, GQA 1/2/4/8 (and 3 and 32: the split merge
+pads the first and takes the second in two passes), head_dim 64/128, many context lengths, batches up to 256,
+split-KV on and off, the fused norm + rotary + KV write at batch 1000, decode launched longest sequence first and
+with balanced splits at Qwen3-0.6B's shape, and a decode step captured in a CUDA graph and replayed at other
 lengths.
 
 Run on a GPU machine: `python -m pytest -m gpu tests/gpu`.
@@ -28,7 +28,7 @@ if torch.cuda.is_available():
     from nanoinfer.attention.triton_backend import TritonAttentionBackend
     from nanoinfer.kernels import paged_attention as pa
 
-HEADS = [(8, 8), (8, 4), (8, 2), (16, 2)]  # GQA 1, 2, 4, 8
+HEADS = [(8, 8), (8, 4), (8, 2), (16, 2), (12, 4), (64, 2)]  # GQA 1, 2, 4, 8, 3, 32
 LENGTHS = [1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 255, 500, 1000, 1023, 2047]
 
 
