@@ -18,6 +18,7 @@ from nanoinfer.kernels import arrival_counters
 from nanoinfer.kernels import skinny_gemm as sg
 from nanoinfer.layers import skinny_dispatch as dispatch
 from nanoinfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from nanoinfer.layers.moe import Router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -343,22 +344,36 @@ def test_dispatcher_choice_needs_enabled_bucket_and_shape(chosen, monkeypatch):
     assert chosen == []
 
 
+def test_moe_router_takes_the_tuned_kernel(chosen, monkeypatch):
+    """The router's logits go through `linear` like a projection's: the skinny kernel where the tuning chose it
+    for the gate's shape, cuBLAS elsewhere, the same logits either way."""
+    monkeypatch.setattr(dispatch, "_kernel_device", lambda x: True)
+    router = Router(32, 24)
+    router.weight.data.normal_()
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(router(x), F.linear(x, router.weight))
+    assert chosen == [(3, 32)]
+    router(torch.randn(20, 32))  # past the skinny kernel's 16 rows
+    assert chosen == [(3, 32)]
+
+
 def test_m_bucket():
     assert [dispatch.m_bucket(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
 
 
 def test_tuning_is_a_no_op_on_cpu(monkeypatch):
     """`tune_skinny_gemm` groups the model's linear layers by (N, K, dtype), each with the bias its matmul
-    adds (a column-parallel layer's none: `DeferredNorm` adds it after the scale) and, without CUDA,
-    records nothing."""
+    adds (a column-parallel layer's none: `DeferredNorm` adds it after the scale), the MoE routers with
+    them (`Router` calls `linear` too) and, without CUDA, records nothing."""
     model = torch.nn.ModuleDict({
         "a": ColumnParallelLinear(32, 24, bias=True), "b": ColumnParallelLinear(32, 24),
-        "c": RowParallelLinear(24, 32, bias=True), "norm": torch.nn.LayerNorm(8),
+        "c": RowParallelLinear(24, 32, bias=True), "norm": torch.nn.LayerNorm(8), "gate": Router(32, 8),
     })
     groups = sg.linear_weights(model)
-    assert sorted(groups) == [(24, 32, torch.float32), (32, 24, torch.float32)]
+    assert sorted(groups) == [(8, 32, torch.float32), (24, 32, torch.float32), (32, 24, torch.float32)]
     assert [b is not None for _, b, _ in groups[(24, 32, torch.float32)]] == [False, False]
     assert [b is not None for _, b, _ in groups[(32, 24, torch.float32)]] == [True]
+    assert groups[(8, 32, torch.float32)] == [(model["gate"].weight, None, None)]
     monkeypatch.setattr(dispatch, "_choices", {})
     assert sg.tune_skinny_gemm(model, [1, 2, 4, 8, 16, 32]) == {}
     assert dispatch._choices == {}

@@ -444,12 +444,15 @@ def graph_seconds_per_call(calls: list[Callable[[], object]], replays: int = 5) 
 
 def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, ...]]]:
     """(N, K, weight dtype) -> [(weight, bias the layer passes, weight_scale)] of every linear layer routed through
-    `linear`."""
+    `linear`: the projections and the MoE routers."""
     from nanoinfer.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+    from nanoinfer.layers.moe import Router
 
     groups: dict = {}
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, Router):
+            groups.setdefault((*module.weight.shape, module.weight.dtype), []).append((module.weight, None, None))
+        elif isinstance(module, LinearBase):
             weight = module.weight
             bias = module.bias
             # Column-parallel biases are added after the deferred norm's scale (`DeferredNorm`), not by the matmul.

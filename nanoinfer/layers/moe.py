@@ -26,6 +26,7 @@ from nanoinfer.distributed.parallel_state import tp_rank, tp_world_size
 from nanoinfer.layers.fp8 import dequantized, full_row_amax, quantize_per_row, weight_device
 from nanoinfer.layers.layernorm import RMSNorm
 from nanoinfer.layers.linear import copy_weight, divide, reduce_partial, shard_of
+from nanoinfer.layers.skinny_dispatch import linear
 
 
 def num_experts_of(config: Any) -> int:
@@ -105,14 +106,16 @@ def _kernel_device(x: torch.Tensor) -> bool:
 
 
 class Router(nn.Module):
-    """The replicated gate: router logits [T, E] = x W^T, in the model's dtype (as transformers computes them)."""
+    """The replicated gate: router logits [T, E] = x W^T, in the model's dtype (as transformers computes them).
+    Never quantized. Through `linear`, so decode steps take the skinny kernel where the start-up tuning finds it
+    faster: cuBLAS runs Qwen3-30B-A3B's [128, 2048] gate at one token on 2 thread blocks (5 us on an H200)."""
 
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 def quantize_experts(weight: torch.Tensor, rows_split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
