@@ -411,6 +411,51 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
     assert {(shape, n) for _, _, shape, n in timed} == {((24, 32), 8), ((32, 24), 8)}
 
 
+def _tune_on_rank(rank: int, port: int, results) -> None:
+    """One rank of test_tensor_parallel_ranks_run_rank_0s_choices: the skinny kernel times faster on rank 1 only."""
+    from torch import distributed as dist
+
+    from nanoinfer.distributed import parallel_state
+
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    parallel_state.init_tensor_parallel(rank, 2, rank, store)
+    try:
+        router = Router(32, 8)
+        router.weight.data.normal_()
+        dispatch._kernel_device = lambda x: True
+        dispatch._choices = {}
+        sg.graph_seconds_per_call = lambda calls: 1.0 if calls[0].func is dispatch.dense_linear else 1.5 - rank
+        sg.skinny_linear = lambda x, w, b, config, weight_scale: F.linear(x, w, b)
+        timings = sg.tune_skinny_gemm(router, [1])
+        results.put((rank, {key: best for key, (_, _, best) in timings.items()}, dispatch._choices))
+    finally:
+        parallel_state.destroy_tensor_parallel()
+
+
+def test_tensor_parallel_ranks_run_rank_0s_choices() -> None:
+    """Each rank times its own GPU; if the timings disagree, every rank still records rank 0's table, so a
+    replicated layer (the MoE router) computes the same bits on every rank and no rank routes a token
+    elsewhere. Here rank 1 finds the skinny kernel faster and runs cuBLAS, as rank 0 chose."""
+    import multiprocessing
+
+    from torch import distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_tune_on_rank, args=(rank, store.port, results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        by_rank = dict((rank, (own, recorded)) for rank, own, recorded in (results.get(timeout=120) for _ in ranks))
+    finally:
+        for process in ranks:
+            process.join(30)
+    key = (1, 8, 32, torch.float32)
+    assert by_rank[0][0] == {key: None} and by_rank[1][0][key] is not None  # their own timings disagree
+    assert by_rank[0][1] == by_rank[1][1] == {key: None}
+
+
 def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, caplog):
     """Each (M, N, K) is checked against F.linear before it is timed: a kernel that is wrong on
     the GPU at hand (say, a split-K race) keeps cuBLAS, however fast it is, and is logged."""

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -140,6 +140,16 @@ def tp_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=control_group())
     return int(t.item())
+
+
+def tp_rank0_object(obj: Any) -> Any:
+    """Rank 0's `obj` (pickled over the control group) on every rank: for choices each rank could make
+    differently, such as the start-up tuning's, which must be one for all ranks."""
+    if tp_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=control_group())
+    return box[0]
 
 
 def enable_symmetric_all_reduce(max_rows: int, hidden: int, dtype: torch.dtype) -> bool:

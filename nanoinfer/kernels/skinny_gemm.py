@@ -67,6 +67,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoinfer.distributed.parallel_state import tp_rank0_object
 from nanoinfer.kernels import INTERPRETER, arrival_counters, num_sms, pdl_enabled
 from nanoinfer.layers import skinny_dispatch
 from nanoinfer.layers.fp8 import FP8_DTYPE, dequantized
@@ -487,8 +488,9 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
     weight of that shape (28 distinct matrices for Qwen3-0.6B), so the weights stream from HBM
     as in a decode step rather than sitting in L2; graphs also hide launch overhead. Both sides
     run on the same random x; each config is first checked against the product in float32 of x and the
-    weight as the layer means it (an fp8 weight times its scales). Set NANOINFER_SKINNY_GEMM=0 to skip
-    (everything stays cuBLAS). Returns {(M, N, K, weight dtype): (cublas_us, best_us, best config or None)}."""
+    weight as the layer means it (an fp8 weight times its scales). Under tensor parallelism every rank records
+    rank 0's choices. Set NANOINFER_SKINNY_GEMM=0 to skip (everything stays cuBLAS). Returns this rank's
+    {(M, N, K, weight dtype): (cublas_us, best_us, best config or None)}."""
     if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0":
         return {}
     groups = linear_weights(model)
@@ -523,8 +525,10 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
                                             for w, b, s in layers] * rounds)
                 if t < t_best:
                     best, t_best = config, t
-            skinny_dispatch._choices[(M, N, K, weight_dtype)] = best
             results[(M, N, K, weight_dtype)] = (t_dense * 1e6, t_best * 1e6, best)
+    # Each rank times its own GPU, but all run rank 0's choices: a replicated layer (the MoE router) must give
+    # every rank the same output bits, or ranks would route a token to different experts.
+    skinny_dispatch._choices.update(tp_rank0_object({key: best for key, (_, _, best) in results.items()}))
     logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/best us, * = skinny): %s", time.perf_counter() - start,
                 ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if c else ''}" for (m, n, k, _), (a, b, c) in results.items()))
     return results
