@@ -118,18 +118,19 @@ def _opcode(instruction: str) -> str:
 
 
 def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: bool, batch: int = 256,
-                     **config_overrides):
-    """A Qwen3-0.6B-shaped paged_attention call on CPU tensors (16 query / 8 KV heads, head_dim 128, block 16):
-    four sequences of 100 tokens, decoding one token each or prefilling 50, with the tiles `choose_config` gives
-    a batch of `batch` sequences, and for decode the engine's longest-first `seq_order`."""
+                     heads: tuple[int, int] = (16, 8), **config_overrides):
+    """A Qwen3-0.6B-shaped paged_attention call on CPU tensors (`heads`: 16 query / 8 KV heads; head_dim 128,
+    block 16): four sequences of 100 tokens, decoding one token each or prefilling 50, with the tiles
+    `choose_config` gives a batch of `batch` sequences, and for decode the engine's longest-first `seq_order`."""
     num_seqs, seq_len, q_len = 4, 100, 50 if prefill else 1
-    kv = torch.zeros(2, 64, 16, 8, 128, dtype=cache_dtype)
+    num_heads, num_kv_heads = heads
+    kv = torch.zeros(2, 64, 16, num_kv_heads, 128, dtype=cache_dtype)
     k_cache, v_cache = kv[0], kv[1] if token_major_v else v_cache_view(kv[1])
-    query = torch.zeros(num_seqs * q_len, 16, 128, dtype=torch.bfloat16)
+    query = torch.zeros(num_seqs * q_len, num_heads, 128, dtype=torch.bfloat16)
     query_start_loc = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     block_tables = torch.arange(num_seqs * 8, dtype=torch.int32).view(num_seqs, 8)
-    config = choose_config(num_heads=16, num_kv_heads=8, dtype=torch.bfloat16, max_query_len=q_len,
+    config = choose_config(num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16, max_query_len=q_len,
                            num_seqs=batch, max_seq_len=1000, num_sms=132, cache_dtype=cache_dtype)
     config = dataclasses.replace(config, **config_overrides)
     seq_order = None if prefill else torch.arange(num_seqs, dtype=torch.int32)
@@ -138,10 +139,11 @@ def attention_launch(cache_dtype: torch.dtype, *, prefill: bool, token_major_v: 
 
 
 def attention_report(cache_dtype: torch.dtype, *, prefill: bool = False, token_major_v: bool = False,
-                     maxnreg: int | None = None, batch: int = 256, **config_overrides) -> Report:
+                     maxnreg: int | None = None, batch: int = 256, heads: tuple[int, int] = (16, 8),
+                     **config_overrides) -> Report:
     kernel = pa._paged_attention_kernel
     args, kwargs = capture_launch(kernel, attention_launch(cache_dtype, prefill=prefill, token_major_v=token_major_v,
-                                                           batch=batch, **config_overrides))
+                                                           batch=batch, heads=heads, **config_overrides))
     kwargs.update(USE_PDL=True, launch_pdl=True)  # as on the GPU
     return report(compile_for_sm90(kernel, args, kwargs, maxnreg=maxnreg))
 

@@ -32,6 +32,17 @@ def test_fp8_decode_reads_v_from_shared_memory_without_byte_loads():
     assert engine.spill_bytes == 0
 
 
+def test_split_merge_sums_a_gqa8_groups_splits_elementwise():
+    """Decode at one sequence splits its context, and the last split merges the splits of all the query heads of
+    its KV head (Qwen3-30B-A3B's 32 / 4: eight). Its loop, the kernel's last, sums each step's splits
+    elementwise: at most 8 barriers (the weights' broadcast) where a reduction over a [heads, splits, dim] tile
+    crossed warps (34 in Triton 3.9) and the merge head by head had no loop but a chain of reductions per head."""
+    report = sass.attention_report(torch.bfloat16, batch=1, heads=(32, 4))
+    assert len(report.loops) >= 3  # the metadata sum, the KV loop, the merge
+    assert sum(op.startswith("BAR") for op in report.loops[-1]) <= 8
+    assert report.spill_bytes == 0
+
+
 @pytest.mark.parametrize("tokens", [1, 1024])
 def test_fp8_experts_convert_each_weight_pair_in_one_instruction(tokens):
     """The fused MoE's GEMMs on fp8 experts in a bf16 model multiply in float16, so each pair of e4m3 weights

@@ -332,33 +332,34 @@ def _merge_splits(partial_ptr, lse_ptr, final_ptr, token_row, first_head, num_sp
                   MAX_SPLITS: tl.constexpr):
     """The last split of a (token, KV head) to finish: each of its query heads' output is every split's normalised
     output weighted by exp2(lse - max lse) (a zero-length context: lse -inf, output 0). HEAD_TILE query heads at
-    once (the whole group up to 16), their partials SPLIT_CHUNK splits per step (one step unless the context needed
-    many splits): merged head by head, the chain of L2 round trips and reductions cost ~2 us per query head on an
-    H200, ~15 us for a GQA-8 model's 8 (bench/NOTES.md, 2026-11-29 20:35). .cg: other programs wrote them."""
+    once (the whole group up to 16), SPLIT_CHUNK splits per step (one step unless the context needed many), the
+    step's loads unrolled so they are in flight together, summed elementwise (a reduction over a [heads, splits,
+    dim] tile crossed warps in Triton 3.9: 34 barriers per step at GQA 8; this loop has 8 in 3.6 and 3.9). Merged
+    head by head, the chain of L2 round trips and reductions had cost ~2 us per query head on an H200, ~15 us for
+    a GQA-8 model's 8 (bench/NOTES.md, 2026-11-29 20:22). .cg: other programs wrote them."""
     dims = tl.arange(0, HEAD_DIM)
-    chunk = tl.arange(0, SPLIT_CHUNK)
     splits = tl.arange(0, MAX_SPLITS)
     for first_in_group in tl.static_range(0, QUERY_GROUP, HEAD_TILE):
         group_head = first_in_group + tl.arange(0, HEAD_TILE)
         head_valid = group_head < QUERY_GROUP
         head = first_head + group_head
-        lse_rows = lse_ptr + token_row * stride_lt + head[:, None] * stride_lh
-        lse = tl.load(lse_rows + splits[None, :], mask=head_valid[:, None] & (splits < num_splits)[None, :],
+        lse_row = lse_ptr + token_row * stride_lt + head[:, None] * stride_lh  # [heads, 1] throughout: one layout
+        lse = tl.load(lse_row + splits[None, :], mask=head_valid[:, None] & (splits < num_splits)[None, :],
                       other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.max(lse, 1)
+        lse_max = tl.max(lse, 1, keep_dims=True)
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
-        partial_rows = partial_ptr + token_row * stride_ot + head[:, None, None] * stride_oh
+        total = tl.sum(tl.exp2(lse - lse_max), 1, keep_dims=True)
+        partial_row = partial_ptr + token_row * stride_ot + head[:, None] * stride_oh + dims[None, :]
         acc = tl.zeros([HEAD_TILE, HEAD_DIM], dtype=tl.float32)
         for first in range(0, num_splits, SPLIT_CHUNK):
-            split = first + chunk
-            valid = head_valid[:, None] & (split < num_splits)[None, :]
-            weight = tl.exp2(tl.load(lse_rows + split[None, :], mask=valid, other=float("-inf"),
-                                     cache_modifier=".cg") - lse_max[:, None])
-            partial = tl.load(partial_rows + split[None, :, None] * stride_os + dims[None, None, :],
-                              mask=valid[:, :, None], other=0.0, cache_modifier=".cg")
-            acc += tl.sum(partial * weight[:, :, None], 1)
-        out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+            for offset in tl.static_range(SPLIT_CHUNK):
+                split = first + offset
+                valid = head_valid[:, None] & (group_head[:, None] * 0 + split < num_splits)
+                weight = tl.exp2(tl.load(lse_row + split, mask=valid, other=float("-inf"), cache_modifier=".cg")
+                                 - lse_max)
+                partial = tl.load(partial_row + split * stride_os, mask=valid, other=0.0, cache_modifier=".cg")
+                acc += partial * weight
+        out = acc / tl.where(total > 0.0, total, 1.0)
         tl.store(final_ptr + token_row * stride_ft + head[:, None] * stride_fh + dims[None, :],
                  out.to(final_ptr.dtype.element_ty), mask=head_valid[:, None])
 
