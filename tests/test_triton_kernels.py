@@ -138,15 +138,17 @@ def test_split_merge_combines_every_query_head_of_a_group(num_heads, num_kv_head
     """The merge takes a group's query heads together (up to 16: 32 per KV head take two passes; 3 pad to 4)
     and their splits a few per step (merge_tile): a context of 130 tokens in 16-token splits needs 9, so GQA
     1 / 2 / 3 / 8 / 32 merge in 1 / 1 / 2 / 3 / 5 steps; one of 1030 in 32-token splits (64 allowed: the split
-    axis is 64 wide) needs 33, past any chunk boundary. Every head's output is the reference's. The next token
-    row's sequence runs first (seq_order), so a padding head stored past its group would stay in that row."""
+    axis is 64 wide; under a register cap, half the splits per step) needs 33, past any chunk boundary. Every
+    head's output is the reference's. The next token row's sequence runs first (seq_order), so a padding head
+    stored past its group would stay in that row."""
     assert [ac.merge_tile(g) for g in (1, 2, 3, 8, 32)] == [(1, 32), (2, 16), (4, 8), (8, 4), (16, 2)]
-    for longest, num_splits in ((130, 16), (1030, 64)):
+    assert [ac.merge_tile(g, max_registers=128) for g in (1, 2, 8, 32)] == [(1, 16), (2, 8), (8, 2), (16, 1)]
+    for longest, num_splits, cap in ((130, 16, None), (1030, 64, 128)):  # capped: half the rows per step
         seq_lens = [longest, 1, 17, 33]
         query, k_cache, v_cache, md = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, 32,
                                                  torch.float32)
         config = dataclasses.replace(triton_backend.TritonAttentionBackend().launch_config(query, k_cache, md),
-                                     block_n=16, num_splits=num_splits, balance_programs=0)
+                                     block_n=16, num_splits=num_splits, balance_programs=0, max_registers=cap)
         out = pa.paged_attention(query, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.125,
                                  max_query_len=1, config=config,
                                  seq_order=torch.tensor([1, 0, 2, 3], dtype=torch.int32, device=DEVICE))

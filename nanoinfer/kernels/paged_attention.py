@@ -434,7 +434,7 @@ def paged_attention(
     else:
         lse, target, stride_os, lse_strides, counters = out, out, 0, (0, 0), out
     pdl = pdl_enabled(query.device)
-    merge_heads, merge_splits = merge_tile(num_heads // num_kv_heads)
+    merge_heads, merge_splits = merge_tile(num_heads // num_kv_heads, config.max_registers)
     if config.decode:
         grid = (num_seqs, num_kv_heads, config.num_splits)
     else:
