@@ -477,7 +477,8 @@ def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, c
                     reason="needs CUDA sm_90+ (mul.rn.bf16x2)")
 def test_e4m3_to_bf16_is_exact_for_every_finite_value():
     """The skinny kernel's bit-level e4m3 -> bf16 conversion equals PyTorch's for all 254 finite bit patterns
-    (subnormals, both zeros, +-448), in a tensor whose length is not a multiple of the 4 values per register."""
+    (subnormals, both zeros, +-448), at 2 values per thread (256 over 4 warps): fewer than the 4 that each
+    inline-asm call packs, so Triton pads them; masked loads past 253 values as well."""
     import triton
     import triton.language as tl
 
