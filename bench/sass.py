@@ -14,7 +14,7 @@ This is how the fp8 decode kernel's byte-wise V loads were found (bench/NOTES.md
 (`--fp8-experts`; `--bf16-activations`: the fp8 GEMM on bfloat16 activations, as before 2026-11-29 18:30): how the
 conversion of fp8 experts to bfloat16 (64 F2F and 32 PRMT per thread per K step) was found.
 
-    python bench/sass.py [--kv-cache-dtype fp8] [--token-major-v] [--prefill] [--batch 16]
+    python bench/sass.py [--kv-cache-dtype fp8] [--token-major-v] [--prefill] [--batch 16] [--heads 32,4]
                          [--num-splits 4] [--balance-programs 1056] [--block-n 128] [--num-warps 4]
                          [--num-stages 5] [--maxnreg 128] [--top 30]
     python bench/sass.py --moe 1 [--fp8-experts [--bf16-activations]]
@@ -182,6 +182,8 @@ def main() -> None:
     p.add_argument("--token-major-v", action="store_true", help="V laid out as K (an fp8 cache's V is dim-major)")
     p.add_argument("--prefill", action="store_true", help="the prefill variant (50-token chunks) instead of decode")
     p.add_argument("--batch", type=int, default=256, help="the launch config choose_config gives this many sequences")
+    p.add_argument("--heads", default="16,8", metavar="Q,KV",
+                   help="query and KV heads (Qwen3-30B-A3B: 32,4, whose split merge takes 8 heads at once)")
     p.add_argument("--num-splits", type=int)
     p.add_argument("--balance-programs", type=int)
     p.add_argument("--block-n", type=int)
@@ -195,7 +197,7 @@ def main() -> None:
     p.add_argument("--bf16-activations", action="store_true",
                    help="with --moe --fp8-experts: the gated GEMM on bfloat16 activations (the old conversion)")
     args = p.parse_args()
-    attention_options = [name for name in ("kv_cache_dtype", "token_major_v", "prefill", "batch", "num_splits",
+    attention_options = [name for name in ("kv_cache_dtype", "token_major_v", "prefill", "batch", "heads", "num_splits",
                                            "balance_programs", "block_n", "num_warps", "num_stages", "maxnreg")
                          if getattr(args, name) != p.get_default(name)]
     if args.moe is not None:
@@ -214,8 +216,9 @@ def main() -> None:
                                        ("num_stages", args.num_stages), ("num_splits", args.num_splits),
                                        ("balance_programs", args.balance_programs)) if v is not None}
         dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
+        heads = tuple(int(n) for n in args.heads.split(","))
         reports = {"attention": attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v,
-                                                 maxnreg=args.maxnreg, batch=args.batch, **overrides)}
+                                                 maxnreg=args.maxnreg, batch=args.batch, heads=heads, **overrides)}
     for name, r in reports.items():
         print(f"{name}: triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
               f"{r.shared_bytes} B shared memory")
