@@ -8,6 +8,8 @@ in the parent.
 
 from __future__ import annotations
 
+import os
+import time
 
 import pytest
 import torch
@@ -411,14 +413,17 @@ def test_tuning_records_the_faster_per_bucket_and_shape(monkeypatch):
     assert {(shape, n) for _, _, shape, n in timed} == {((24, 32), 8), ((32, 24), 8)}
 
 
-def _tune_on_rank(rank: int, port: int, results) -> None:
-    """One rank of test_tensor_parallel_ranks_run_rank_0s_choices: the skinny kernel times faster on rank 1 only."""
+def _tune_on_rank(rank: int, port: int, skip_tuning: bool, results) -> None:
+    """One rank of test_tensor_parallel_ranks_run_rank_0s_choices: the skinny kernel times faster on rank 1 only
+    (`skip_tuning`: this rank's NANOINFER_SKINNY_GEMM=0)."""
     from torch import distributed as dist
 
     from nanoinfer.distributed import parallel_state
 
+    if skip_tuning:
+        os.environ["NANOINFER_SKINNY_GEMM"] = "0"
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
-    parallel_state.init_tensor_parallel(rank, 2, rank, store)
+    parallel_state.init_tensor_parallel(rank, 2, 1 << 20, store)  # a local rank past any GPU: gloo only
     try:
         router = Router(32, 8)
         router.weight.data.normal_()
@@ -432,28 +437,51 @@ def _tune_on_rank(rank: int, port: int, results) -> None:
         parallel_state.destroy_tensor_parallel()
 
 
-def test_tensor_parallel_ranks_run_rank_0s_choices() -> None:
-    """Each rank times its own GPU; if the timings disagree, every rank still records rank 0's table, so a
-    replicated layer (the MoE router) computes the same bits on every rank and no rank routes a token
-    elsewhere. Here rank 1 finds the skinny kernel faster and runs cuBLAS, as rank 0 chose."""
+def _run_two_ranks(skip_tuning: tuple[bool, bool]) -> dict:
+    """{rank: (its own choices, the table it records)} from two spawned gloo ranks tuning one router."""
     import multiprocessing
+    import queue
 
     from torch import distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    ranks = [context.Process(target=_tune_on_rank, args=(rank, store.port, results)) for rank in (0, 1)]
+    ranks = [context.Process(target=_tune_on_rank, args=(rank, store.port, skip_tuning[rank], results), daemon=True)
+             for rank in (0, 1)]
     for process in ranks:
         process.start()
+    by_rank: dict = {}
+    deadline = time.monotonic() + 120
     try:
-        by_rank = dict((rank, (own, recorded)) for rank, own, recorded in (results.get(timeout=120) for _ in ranks))
+        while len(by_rank) < 2:
+            try:
+                rank, own, recorded = results.get(timeout=1)
+                by_rank[rank] = (own, recorded)
+            except queue.Empty:
+                failed = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
+                assert not failed and time.monotonic() < deadline, f"a rank failed (exit codes {failed}) or hung"
     finally:
         for process in ranks:
-            process.join(30)
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    return by_rank
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs no kernel: the parent pytest runs it")
+def test_tensor_parallel_ranks_run_rank_0s_choices() -> None:
+    """Each rank times its own GPU; if the timings disagree, every rank still records rank 0's table, so a
+    replicated layer (the MoE router) computes the same bits on every rank and no rank routes a token
+    elsewhere. Here rank 1 finds the skinny kernel faster and runs cuBLAS, as rank 0 chose. Every rank reaches
+    the broadcast once, even one whose NANOINFER_SKINNY_GEMM=0 (set per host in a multi-host launch)."""
     key = (1, 8, 32, torch.float32)
+    by_rank = _run_two_ranks((False, False))
     assert by_rank[0][0] == {key: None} and by_rank[1][0][key] is not None  # their own timings disagree
     assert by_rank[0][1] == by_rank[1][1] == {key: None}
+    by_rank = _run_two_ranks((True, False))  # rank 0 skips tuning: nobody runs the skinny kernel
+    assert by_rank[0][0] == {} and by_rank[1][0][key] is not None
+    assert by_rank[0][1] == by_rank[1][1] == {}
 
 
 def test_tuning_never_chooses_a_kernel_that_disagrees_with_cublas(monkeypatch, caplog):

@@ -121,6 +121,7 @@ _MERGE_MAX_HEADS = 16
 
 
 def merge_tile(query_group: int, max_registers: int | None = None) -> tuple[int, int]:
-    """(query heads, splits) the split merge combines per step: the whole GQA group at once, up to 16 heads."""
+    """(query heads, splits) the split merge combines per step: the whole GQA group at once, up to 16 heads, and
+    half the splits under a register cap (`max_registers`, as the launch passes it to ptxas)."""
     heads = min(triton.next_power_of_2(query_group), _MERGE_MAX_HEADS)
-    return heads, max(1, (_MERGE_ROWS if max_registers is None else _MERGE_ROWS_CAPPED) // heads)
+    return heads, max(1, (_MERGE_ROWS_CAPPED if max_registers else _MERGE_ROWS) // heads)

@@ -491,8 +491,24 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
     weight as the layer means it (an fp8 weight times its scales). Under tensor parallelism every rank records
     rank 0's choices. Set NANOINFER_SKINNY_GEMM=0 to skip (everything stays cuBLAS). Returns this rank's
     {(M, N, K, weight dtype): (cublas_us, best_us, best config or None)}."""
-    if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0":
-        return {}
+    start = time.perf_counter()
+    results = {} if os.environ.get("NANOINFER_SKINNY_GEMM", "1") == "0" else _time_linears(model, buckets, min_calls)
+    # Each rank times its own GPU, but all run rank 0's choices (every rank gets here once, whatever it timed): a
+    # replicated layer (the MoE router) must give every rank the same output bits, or ranks would route a token to
+    # different experts.
+    chosen = tp_rank0_object({key: best for key, (_, _, best) in results.items()})
+    skinny_dispatch._choices.update(chosen)
+    if results:
+        summary = ", ".join(f"{m}x{n}x{k} {cublas:.1f}/{best:.1f}{'*' if chosen.get((m, n, k, dtype)) else ''}"
+                            for (m, n, k, dtype), (cublas, best, _) in results.items())
+        logger.info("skinny GEMM tuned in %.1f s (MxNxK this rank's cuBLAS/best us, * = skinny chosen): %s",
+                    time.perf_counter() - start, summary)
+    return results
+
+
+def _time_linears(model: torch.nn.Module, buckets: Iterable[int], min_calls: int) -> dict:
+    """`tune_skinny_gemm`'s timings on this rank's GPU: {(M, N, K, weight dtype): (cublas_us, best_us, best config
+    or None)}, empty where there is nothing to tune (no linear layers, or not on CUDA)."""
     groups = linear_weights(model)
     if not groups:
         return {}
@@ -500,7 +516,6 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
     if not skinny_dispatch._kernel_device(next(iter(groups.values()))[0][0]):
         return {}
     ms = sorted({skinny_dispatch.m_bucket(b) for b in buckets if 1 <= b <= MAX_M})
-    start = time.perf_counter()
     results = {}
     for (N, K, weight_dtype), layers in groups.items():
         dtype = _activation_dtype(model, weight_dtype)
@@ -526,9 +541,4 @@ def tune_skinny_gemm(model: torch.nn.Module, buckets: Iterable[int], *, min_call
                 if t < t_best:
                     best, t_best = config, t
             results[(M, N, K, weight_dtype)] = (t_dense * 1e6, t_best * 1e6, best)
-    # Each rank times its own GPU, but all run rank 0's choices: a replicated layer (the MoE router) must give
-    # every rank the same output bits, or ranks would route a token to different experts.
-    skinny_dispatch._choices.update(tp_rank0_object({key: best for key, (_, _, best) in results.items()}))
-    logger.info("skinny GEMM tuned in %.1f s (MxNxK cuBLAS/best us, * = skinny): %s", time.perf_counter() - start,
-                ", ".join(f"{m}x{n}x{k} {a:.1f}/{b:.1f}{'*' if c else ''}" for (m, n, k, _), (a, b, c) in results.items()))
     return results
