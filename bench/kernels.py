@@ -490,6 +490,14 @@ def sweep_gemm(num_sms: int, l2_bytes: int) -> list[dict]:
     return rows
 
 
+def heads_arg(text: str) -> tuple[int, int]:
+    """argparse type of --heads Q,KV: query and KV heads, Q a multiple of KV."""
+    num_heads, num_kv_heads = (int(n) for n in text.split(","))
+    if num_heads % num_kv_heads:
+        raise argparse.ArgumentTypeError(f"{text}: query heads must be a multiple of KV heads")
+    return num_heads, num_kv_heads
+
+
 def main() -> None:
     global NUM_HEADS, NUM_KV_HEADS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -505,13 +513,11 @@ def main() -> None:
                         help="only prefill tiles over the reference workload's first mixed step")
     parser.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
                         help="the attention benchmarks' cache: bf16, or float8_e4m3fn as kv_cache_dtype='fp8' stores it")
-    parser.add_argument("--heads", default=f"{NUM_HEADS},{NUM_KV_HEADS}", metavar="Q,KV",
+    parser.add_argument("--heads", type=heads_arg, default=(NUM_HEADS, NUM_KV_HEADS), metavar="Q,KV",
                         help="the attention benchmarks' query and KV heads (Qwen3-30B-A3B: 32,4; Qwen3-8B: 32,8)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kernels_bench.json"))
     args = parser.parse_args()
-    NUM_HEADS, NUM_KV_HEADS = (int(n) for n in args.heads.split(","))
-    if NUM_HEADS % NUM_KV_HEADS:
-        parser.error(f"--heads {args.heads}: query heads must be a multiple of KV heads")
+    NUM_HEADS, NUM_KV_HEADS = args.heads
     torch.manual_seed(0)
     results: dict = {"device": torch.cuda.get_device_name(0), "triton": triton.__version__, "torch": torch.__version__,
                      "heads": [NUM_HEADS, NUM_KV_HEADS]}

@@ -37,6 +37,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels import heads_arg  # bench/kernels.py
 from nanoinfer.kernels import paged_attention as pa
 from nanoinfer.kernels.attention_config import choose_config
 from nanoinfer.layers.attention import v_cache_view
@@ -182,7 +183,7 @@ def main() -> None:
     p.add_argument("--token-major-v", action="store_true", help="V laid out as K (an fp8 cache's V is dim-major)")
     p.add_argument("--prefill", action="store_true", help="the prefill variant (50-token chunks) instead of decode")
     p.add_argument("--batch", type=int, default=256, help="the launch config choose_config gives this many sequences")
-    p.add_argument("--heads", default="16,8", metavar="Q,KV",
+    p.add_argument("--heads", type=heads_arg, default=(16, 8), metavar="Q,KV",
                    help="query and KV heads (Qwen3-30B-A3B: 32,4, whose split merge takes 8 heads at once)")
     p.add_argument("--num-splits", type=int)
     p.add_argument("--balance-programs", type=int)
@@ -216,9 +217,8 @@ def main() -> None:
                                        ("num_stages", args.num_stages), ("num_splits", args.num_splits),
                                        ("balance_programs", args.balance_programs)) if v is not None}
         dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
-        heads = tuple(int(n) for n in args.heads.split(","))
         reports = {"attention": attention_report(dtype, prefill=args.prefill, token_major_v=args.token_major_v,
-                                                 maxnreg=args.maxnreg, batch=args.batch, heads=heads, **overrides)}
+                                                 maxnreg=args.maxnreg, batch=args.batch, heads=args.heads, **overrides)}
     for name, r in reports.items():
         print(f"{name}: triton {triton.__version__}, sm_90: {r.registers} registers, {r.spill_bytes} B spilled, "
               f"{r.shared_bytes} B shared memory")

@@ -452,15 +452,16 @@ def linear_weights(model: torch.nn.Module) -> dict[tuple[int, int, torch.dtype],
     groups: dict = {}
     for module in model.modules():
         if isinstance(module, Router):
-            groups.setdefault((*module.weight.shape, module.weight.dtype), []).append((module.weight, None, None))
+            bias, weight_scale = None, None
         elif isinstance(module, LinearBase):
-            weight = module.weight
-            bias = module.bias
+            bias, weight_scale = module.bias, module.weight_scale
             # Column-parallel biases are added after the deferred norm's scale (`DeferredNorm`), not by the matmul.
             if isinstance(module, ColumnParallelLinear) or (isinstance(module, RowParallelLinear) and module.tp_rank != 0):
                 bias = None
-            groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append(
-                (weight, bias, module.weight_scale))
+        else:
+            continue
+        weight = module.weight
+        groups.setdefault((weight.shape[0], weight.shape[1], weight.dtype), []).append((weight, bias, weight_scale))
     return groups
 
 
